@@ -1,0 +1,15 @@
+"""jaxbuf: device memory that JAX and torch share, zero-copy.
+
+Growable buffers on virtual memory (:class:`ExtensibleTensor`), pinned host memory the device
+reads in place (:class:`UvaBuffer`, :class:`UvaBufferPool`) and batched row writes applied by
+one kernel launch (:class:`StagedWriteTensor`, :class:`FusedStagedWriter`). ``import jaxbuf``
+needs only numpy; torch, JAX, Triton and cuda-bindings are imported when first used.
+"""
+
+from .devices import Device, as_device, default_device
+from .dtypes import DType, canonical_dtype
+from .views import BufferView
+
+__version__ = "0.1.0"
+
+__all__ = ["BufferView", "Device", "DType", "as_device", "canonical_dtype", "default_device"]

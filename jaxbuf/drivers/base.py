@@ -1,0 +1,144 @@
+"""The driver seam: the one interface through which jaxbuf touches a platform.
+
+Buffer logic (``extensible.py``, ``uva.py``, ``staged.py``) never calls CUDA or ``mmap``
+directly; it calls a :class:`VmmDriver`. Tests wrap a driver to fail any call, and a
+new platform (HIP) is one more subclass.
+
+The model is CUDA's virtual memory management, which the CPU driver reproduces:
+
+* ``reserve`` takes address space with no memory behind it;
+* ``create`` makes one physical chunk (an opaque handle);
+* ``map`` places a chunk at an address inside a reservation, ``unmap`` removes it;
+* ``set_access`` makes mapped addresses readable and writable by a device;
+* ``release`` destroys a chunk, ``free_reserved`` returns the address space.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+# DLPack device types (dlpack.h, DLDeviceType).
+K_DL_CPU = 1
+K_DL_CUDA = 2
+K_DL_CUDA_HOST = 3
+K_DL_ROCM = 10
+K_DL_ROCM_HOST = 11
+
+
+class DriverError(RuntimeError):
+    """A platform call failed.
+
+    The message names the call, the driver's error name and the sizes involved, e.g.
+    ``cuMemCreate(size=2097152, device=0) failed: CUDA_ERROR_OUT_OF_MEMORY``.
+    """
+
+    def __init__(self, call: str, error_name: str, **details: Any) -> None:
+        args = ", ".join(f"{key}={value}" for key, value in details.items())
+        super().__init__(f"{call}({args}) failed: {error_name}")
+        self.call = call
+        self.error_name = error_name
+        self.details = details
+
+    @property
+    def out_of_memory(self) -> bool:
+        return "OUT_OF_MEMORY" in self.error_name or self.error_name == "ENOMEM"
+
+
+class VmmDriver(abc.ABC):
+    """One platform's virtual-memory and pinned-host primitives.
+
+    Addresses and sizes are Python ints. Handles are opaque to callers. Every
+    failure raises :class:`DriverError`; a failed call changes nothing.
+    """
+
+    #: ``"cuda"`` or ``"cpu"``: the platform of the :class:`jaxbuf.devices.Device`
+    #: values this driver serves.
+    platform: str
+    #: DLPack ``device_type`` of memory from ``reserve``/``map``.
+    dlpack_device_type: int
+    #: DLPack ``device_type`` of pinned host memory as seen from the host.
+    dlpack_host_device_type: int = K_DL_CPU
+
+    # -- probing --------------------------------------------------------------------
+    @abc.abstractmethod
+    def unavailable_reason(self) -> str | None:
+        """None when the driver works here, else one sentence saying why not. Cached."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """Number of devices this driver can address (0 when unavailable)."""
+
+    # -- context and granularity ----------------------------------------------------
+    @abc.abstractmethod
+    def ensure_context(self, device_index: int) -> None:
+        """Make ``device_index`` current for this thread (CUDA: its primary context)."""
+
+    @abc.abstractmethod
+    def granularity(self, device_index: int) -> int:
+        """The platform's minimum allocation granularity for ``create``/``map``."""
+
+    # -- virtual memory -------------------------------------------------------------
+    @abc.abstractmethod
+    def reserve(self, size: int, alignment: int = 0) -> int:
+        """Reserve ``size`` bytes of address space; return its base address."""
+
+    @abc.abstractmethod
+    def free_reserved(self, ptr: int, size: int) -> None:
+        """Return a reservation made by :meth:`reserve` (nothing may be mapped in it)."""
+
+    @abc.abstractmethod
+    def create(self, size: int, device_index: int) -> Any:
+        """Create one physical chunk of ``size`` bytes; return its handle."""
+
+    @abc.abstractmethod
+    def release(self, handle: Any) -> None:
+        """Destroy a chunk made by :meth:`create` (after it is unmapped)."""
+
+    @abc.abstractmethod
+    def map(self, ptr: int, size: int, handle: Any) -> None:
+        """Map a whole chunk at ``ptr``, inside a reservation."""
+
+    @abc.abstractmethod
+    def unmap(self, ptr: int, size: int) -> None:
+        """Unmap ``[ptr, ptr + size)``, leaving the addresses reserved."""
+
+    @abc.abstractmethod
+    def set_access(self, ptr: int, size: int, device_index: int) -> None:
+        """Grant ``device_index`` read/write access to whole mapped chunks."""
+
+    # -- work on the memory ---------------------------------------------------------
+    @abc.abstractmethod
+    def memset(self, ptr: int, value: int, size: int, device_index: int) -> None:
+        """Fill ``size`` bytes at ``ptr`` with the byte ``value`` (ordered on the
+        driver's producer stream; see :meth:`record_ready_event`)."""
+
+    @abc.abstractmethod
+    def copy(self, dst: int, src: int, size: int, device_index: int) -> None:
+        """Copy ``size`` bytes between any two addresses the device can reach
+        (ordered on the producer stream)."""
+
+    @abc.abstractmethod
+    def synchronize(self, device_index: int) -> None:
+        """Wait until all work on the device is done."""
+
+    def record_ready_event(self, device_index: int) -> Any:
+        """Record an event after the producer's pending work; None when the platform
+        has no asynchronous work (the CPU)."""
+        return None
+
+    def stream_wait_event(self, stream: int, event: Any, device_index: int) -> None:
+        """Make the consumer ``stream`` wait for ``event`` (from :meth:`record_ready_event`)."""
+
+    def destroy_event(self, event: Any) -> None:
+        """Destroy an event from :meth:`record_ready_event`."""
+
+    # -- pinned host memory ---------------------------------------------------------
+    @abc.abstractmethod
+    def host_alloc(self, size: int, device_index: int) -> tuple[int, int]:
+        """Allocate ``size`` bytes of page-locked host memory the device can read in
+        place. Return ``(host_ptr, device_ptr)``; equal under unified addressing."""
+
+    @abc.abstractmethod
+    def host_free(self, host_ptr: int) -> None:
+        """Free memory from :meth:`host_alloc`."""

@@ -1,0 +1,125 @@
+"""One dtype vocabulary for numpy, torch, JAX and DLPack.
+
+``canonical_dtype`` accepts a numpy dtype (or scalar type), a torch dtype, a JAX dtype and a
+string, and returns a :class:`DType`. Frameworks are imported only when a caller asks for a
+framework's own dtype object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+# DLPack type codes (dlpack.h, DLDataTypeCode).
+K_DL_INT = 0
+K_DL_UINT = 1
+K_DL_FLOAT = 2
+K_DL_BFLOAT = 4
+K_DL_BOOL = 6
+
+
+@dataclass(frozen=True)
+class DType:
+    """A dtype jaxbuf can hand out through DLPack. ``name`` is numpy's spelling."""
+
+    name: str
+    itemsize: int
+    dlpack_code: int
+
+    @property
+    def numpy(self) -> np.dtype:
+        """The numpy dtype (bfloat16 through ml_dtypes, which JAX installs)."""
+        return _numpy_dtype(self.name)
+
+    def torch(self) -> Any:
+        import torch
+
+        return getattr(torch, self.name)
+
+    def jax(self) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.dtype(self.name)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+_DTYPES = {
+    dtype.name: dtype
+    for dtype in [
+        DType("bool", 1, K_DL_BOOL),
+        *(DType(f"int{8 * size}", size, K_DL_INT) for size in (1, 2, 4, 8)),
+        *(DType(f"uint{8 * size}", size, K_DL_UINT) for size in (1, 2, 4, 8)),
+        DType("float16", 2, K_DL_FLOAT),
+        DType("bfloat16", 2, K_DL_BFLOAT),
+        DType("float32", 4, K_DL_FLOAT),
+        DType("float64", 8, K_DL_FLOAT),
+    ]
+}
+_BY_DLPACK = {(dtype.dlpack_code, dtype.itemsize * 8): dtype for dtype in _DTYPES.values()}
+
+SUPPORTED_DTYPES: tuple[str, ...] = tuple(_DTYPES)
+
+uint8 = _DTYPES["uint8"]
+
+
+@lru_cache(maxsize=None)
+def _numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as error:  # pragma: no cover - ml_dtypes comes with jax
+            raise TypeError(
+                "bfloat16 in numpy needs ml_dtypes (pip install jaxbuf[jax])"
+            ) from error
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+@lru_cache(maxsize=256)
+def _canonical_by_key(key: Any) -> DType | None:
+    name = key if isinstance(key, str) else str(key)
+    name = name.removeprefix("torch.").removeprefix("dtype(").strip("')\"")
+    if name in _DTYPES:
+        return _DTYPES[name]
+    try:
+        return _DTYPES.get(np.dtype(key).name)
+    except (TypeError, ValueError):
+        return None
+
+
+def canonical_dtype(dtype: Any) -> DType:
+    """Return the :class:`DType` for ``dtype`` or raise ``TypeError`` naming it.
+
+    Examples
+    --------
+    >>> canonical_dtype("int32").itemsize
+    4
+    >>> canonical_dtype(np.float16).name
+    'float16'
+    """
+    if isinstance(dtype, DType):
+        return dtype
+    if dtype is None or isinstance(dtype, bool):
+        raise TypeError(f"dtype must be a dtype or a dtype name, got {dtype!r}")
+    try:
+        result = _canonical_by_key(dtype)
+    except TypeError:  # unhashable input
+        result = None
+    if result is None:
+        raise TypeError(
+            f"unsupported dtype {dtype!r}; jaxbuf supports {', '.join(SUPPORTED_DTYPES)}"
+        )
+    return result
+
+
+def from_dlpack_code(code: int, bits: int) -> DType:
+    """The :class:`DType` for a DLPack ``(code, bits)`` pair."""
+    try:
+        return _BY_DLPACK[(code, bits)]
+    except KeyError:
+        raise TypeError(f"unsupported DLPack dtype code={code} bits={bits}") from None

@@ -1,0 +1,62 @@
+"""Capability fixtures: every skip says why.
+
+``device`` runs a test on the CPU driver and, where a CUDA GPU with VMM support is present,
+on CUDA; ``framework`` runs it through torch and through JAX.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+# JAX would otherwise take most of the GPU at its first use, starving VMM allocations.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import pytest  # noqa: E402
+
+from jaxbuf.drivers import cuda_unavailable_reason  # noqa: E402
+
+CUDA_REASON = cuda_unavailable_reason()
+if CUDA_REASON is not None:
+    # No GPU: Triton kernels run under Triton's interpreter. Set before triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _missing(module: str) -> str | None:
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed"
+    return None
+
+
+TORCH_REASON = _missing("torch")
+JAX_REASON = _missing("jax")
+TRITON_REASON = _missing("triton")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason=f"no usable CUDA GPU: {CUDA_REASON}")
+    for item in items:
+        if "gpu" in item.keywords and CUDA_REASON is not None:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """A device string with a working VMM driver."""
+    return request.param
+
+
+@pytest.fixture(params=["torch", "jax"])
+def framework(request) -> str:
+    """A consumer framework that is installed."""
+    reason = TORCH_REASON if request.param == "torch" else JAX_REASON
+    if reason:
+        pytest.skip(reason)
+    return request.param
+
+
+@pytest.fixture
+def cuda_device() -> str:
+    if CUDA_REASON is not None:
+        pytest.skip(f"no usable CUDA GPU: {CUDA_REASON}")
+    return "cuda:0"
