@@ -23,6 +23,16 @@ _get_name.argtypes = [ctypes.py_object]
 _get_name.restype = ctypes.c_char_p
 
 
+def aligned(array: np.ndarray, alignment: int = 256) -> np.ndarray:
+    """A copy of ``array`` whose data is ``alignment``-aligned: JAX's CPU client imports
+    zero-copy only from aligned memory (jaxbuf's own memory is page-aligned)."""
+    raw = np.zeros(array.nbytes + alignment, np.uint8)
+    offset = -raw.ctypes.data % alignment
+    out = raw[offset : offset + array.nbytes].view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return out
+
+
 def host_view(array: np.ndarray, dtype=None, shape=None) -> BufferView:
     return BufferView(array.ctypes.data, array.nbytes, dtype or array.dtype.name,
                       shape if shape is not None else array.shape, owner=array)  # fmt: skip
@@ -170,7 +180,7 @@ def test_to_numpy_keeps_the_owner_alive():
 
 
 def test_consumers_alias_the_same_bytes(framework):
-    data = np.arange(12, dtype=np.float32)
+    data = aligned(np.arange(12, dtype=np.float32))
     view = host_view(data, shape=(3, 4))
     if framework == "torch":
         import torch

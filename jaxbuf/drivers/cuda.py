@@ -1,0 +1,486 @@
+"""The CUDA driver: :class:`CudaVmmDriver` on ``cuda.bindings.driver`` (cuda-python).
+
+Every driver call's result goes through :func:`_check`, the only place that knows the
+binding's result shape (a tuple ``(CUresult, *values)``) and turns a failure into a
+:class:`~jaxbuf.drivers.base.DriverError` named by ``cuGetErrorName``.
+
+Contexts: jaxbuf uses each device's *primary* context, the one the CUDA runtime (and so
+torch and JAX) also uses, so pointers and streams are shared with the frameworks. It
+retains it itself, so it works before either framework touched the device.
+
+ROCm seam: a HIP driver would subclass :class:`CudaVmmDriver` with ``platform`` still
+``"cuda"`` (torch calls ROCm devices ``cuda``), ``dlpack_device_type = K_DL_ROCM`` and
+``dlpack_host_device_type = K_DL_ROCM_HOST``, and replace the binding module (``hip``'s
+``hipMem*`` calls mirror the ``cuMem*`` ones), ``_check``'s error-name lookup and the
+probe in ``unavailable_reason``. The method bodies map one to one.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+from jaxbuf.drivers.base import K_DL_CUDA, K_DL_CUDA_HOST, DriverError, VmmDriver
+
+try:
+    from cuda.bindings import driver as _cu
+except ImportError:  # cuda-bindings is an optional extra; unavailable_reason says so.
+    _cu = None
+
+if _cu is not None:
+    _SUCCESS = _cu.CUresult.CUDA_SUCCESS
+    _NOT_SUPPORTED = _cu.CUresult.CUDA_ERROR_NOT_SUPPORTED
+    # DLPack stream numbers (dlpack.h, __dlpack__): 1 is the legacy default stream, 2 the
+    # per-thread default stream; any other value is a CUstream pointer. Both constants
+    # equal their DLPack number today; spelled out so the mapping does not rest on it.
+    _DLPACK_STREAMS = {1: _cu.CU_STREAM_LEGACY, 2: _cu.CU_STREAM_PER_THREAD}
+    # Producer work (memset, copy, ready events) goes on the legacy default stream of the
+    # device's primary context: it orders against every blocking stream, which is what
+    # torch's and JAX's default streams are, so no framework stream needs to be known here.
+    _PRODUCER_STREAM = _cu.CUstream(0)
+    # cuda-bindings loads libcuda lazily, on the first driver call, through
+    # cuda-pathfinder, which raises DynamicLibNotFoundError when no NVIDIA driver is
+    # installed. It is a RuntimeError, as is what older loaders raise (a failed dlopen),
+    # so RuntimeError is caught; OSError covers a loader that lets dlopen's error through.
+    _LIBRARY_NOT_FOUND: tuple[type[Exception], ...] = (RuntimeError, OSError)
+    try:
+        from cuda.pathfinder import DynamicLibNotFoundError
+
+        _LIBRARY_NOT_FOUND = (DynamicLibNotFoundError, *_LIBRARY_NOT_FOUND)
+    except ImportError:
+        pass
+
+
+def _error_name(error: Any) -> str:
+    """``CUDA_ERROR_...`` for a ``CUresult``, from the driver when it knows it."""
+    try:
+        status, name = _cu.cuGetErrorName(error)
+    except _LIBRARY_NOT_FOUND:  # libcuda not loadable: fall back to the enum's name
+        status, name = None, None
+    if status == _SUCCESS and name:
+        return name.decode() if isinstance(name, bytes) else str(name)
+    return getattr(error, "name", str(error))
+
+
+def _check(result: tuple, call: str, **sizes: Any) -> Any:
+    """Unpack a ``cuda.bindings`` result ``(CUresult, *values)``.
+
+    Returns None, the one value, or the tuple of values; raises
+    ``DriverError(call, error_name, **sizes)`` when the ``CUresult`` is not success.
+    """
+    error = result[0]
+    if error != _SUCCESS:
+        raise DriverError(call, _error_name(error), **sizes)
+    if len(result) == 1:
+        return None
+    if len(result) == 2:
+        return result[1]
+    return result[1:]
+
+
+def _is_wsl() -> bool:
+    try:
+        with open("/proc/version", encoding="utf-8", errors="replace") as version:
+            return "microsoft" in version.read().lower()
+    except OSError:
+        return False
+
+
+class CudaVmmDriver(VmmDriver):
+    """CUDA virtual memory management through ``cuda.bindings.driver``.
+
+    Invariants:
+
+    * Methods that take a ``device_index`` first make that device's primary context
+      current on the calling thread (:meth:`ensure_context`); the others (``reserve``,
+      ``map``, ``unmap``, ``release``, ``free_reserved``) act in the thread's current
+      context, so callers make one current first.
+    * Primary contexts are retained once per device and never released: they live as long
+      as the process, as the runtime's own do.
+    * The object holds no driver resources, so it needs no ``__del__``.
+    """
+
+    platform = "cuda"
+    dlpack_device_type = K_DL_CUDA
+    dlpack_host_device_type = K_DL_CUDA_HOST
+
+    _UNPROBED: Any = object()
+
+    def __init__(self) -> None:
+        self._unavailable_reason: Any = self._UNPROBED
+        self._device_count = 0
+        self._lock = threading.Lock()
+        # device index -> (retained primary CUcontext, its address as an int).
+        self._primary_contexts: dict[int, tuple[Any, int]] = {}
+        self._granularities: dict[int, int] = {}
+        # device index -> CUmemAllocationProp used by create (and granularity).
+        self._allocation_props: dict[int, Any] = {}
+        # device index -> [CUmemAccessDesc], built once: set_access is on the append path.
+        self._access_descs: dict[int, list[Any]] = {}
+        # host pointer -> device index of host_alloc, so host_free can pick the context.
+        self._host_devices: dict[int, int] = {}
+        self._confidential_computing_reason: Any = self._UNPROBED
+
+    # -- probing --------------------------------------------------------------------
+    def unavailable_reason(self) -> str | None:
+        """None when CUDA VMM works here, else one sentence saying why not. Cached."""
+        if self._unavailable_reason is self._UNPROBED:
+            self._unavailable_reason = self._probe()
+        return self._unavailable_reason
+
+    def _probe(self) -> str | None:
+        if _cu is None:
+            return "cuda-bindings is not installed (pip install jaxbuf[cuda])."
+        try:
+            (error,) = _cu.cuInit(0)
+        except _LIBRARY_NOT_FOUND as exc:
+            detail = str(exc).strip().rstrip(".")
+            return f"No NVIDIA driver: libcuda could not be loaded ({detail})."
+        if error != _SUCCESS:
+            return f"cuInit failed with {_error_name(error)}."
+        error, count = _cu.cuDeviceGetCount()
+        if error != _SUCCESS:
+            return f"cuDeviceGetCount failed with {_error_name(error)}."
+        if count == 0:
+            return "No CUDA device is visible."
+        attribute = _cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+        for index in range(count):
+            error, supported = _cu.cuDeviceGetAttribute(attribute, index)
+            if error != _SUCCESS:
+                return f"cuDeviceGetAttribute on device {index} failed with {_error_name(error)}."
+            if not supported:
+                return f"CUDA device {index} does not support virtual memory management."
+        if _is_wsl():
+            # WSL's CUDA lacks parts of VMM and mapped pinned memory that jaxbuf relies on.
+            return "CUDA virtual memory management is not supported under WSL."
+        self._device_count = count
+        return None
+
+    def device_count(self) -> int:
+        """Number of CUDA devices (0 when :meth:`unavailable_reason` is not None)."""
+        self.unavailable_reason()
+        return self._device_count
+
+    def confidential_computing_reason(self) -> str | None:
+        """A sentence when confidential computing is on (the GPU then cannot read pinned
+        host memory in place, which UVA buffers need), else None. Cached.
+
+        The CUDA driver API has no attribute for it, so NVML is asked: through
+        ``cuda.bindings.nvml`` or ``pynvml`` (nvidia-ml-py), whichever imports. With
+        neither, or when NVML fails, this returns None: the UVA probe tests access itself.
+        """
+        if self._confidential_computing_reason is self._UNPROBED:
+            self._confidential_computing_reason = _probe_confidential_computing()
+        return self._confidential_computing_reason
+
+    # -- context and granularity ----------------------------------------------------
+    def ensure_context(self, device_index: int) -> None:
+        """Make ``device_index``'s primary context current on this thread.
+
+        Fast when it already is: one ``cuCtxGetCurrent`` and an int compare.
+        """
+        cached = self._primary_contexts.get(device_index)
+        if cached is not None:
+            error, current = _cu.cuCtxGetCurrent()
+            if error == _SUCCESS and int(current) == cached[1]:
+                return
+            context = cached[0]
+        else:
+            context = self._retain_primary_context(device_index)
+        _check(_cu.cuCtxSetCurrent(context), "cuCtxSetCurrent", device=device_index)
+
+    def _retain_primary_context(self, device_index: int) -> Any:
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise DriverError("ensure_context", f"CUDA unavailable: {reason}", device=device_index)
+        if not isinstance(device_index, int) or not 0 <= device_index < self._device_count:
+            raise IndexError(
+                f"CUDA device index {device_index!r} out of range ({self._device_count} devices)"
+            )
+        with self._lock:  # two threads must not both retain (one retain would leak)
+            cached = self._primary_contexts.get(device_index)
+            if cached is None:
+                device = _check(_cu.cuDeviceGet(device_index), "cuDeviceGet", device=device_index)
+                context = _check(
+                    _cu.cuDevicePrimaryCtxRetain(device),
+                    "cuDevicePrimaryCtxRetain",
+                    device=device_index,
+                )
+                cached = (context, int(context))
+                self._primary_contexts[device_index] = cached
+        return cached[0]
+
+    def _allocation_prop(self, device_index: int) -> Any:
+        """The pinned-device ``CUmemAllocationProp`` for ``device_index`` (cached)."""
+        prop = self._allocation_props.get(device_index)
+        if prop is None:
+            prop = _cu.CUmemAllocationProp()
+            prop.type = _cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            prop.location.type = _cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            prop.location.id = device_index
+            # Ask for an exportable handle now so chunks can be shared across processes
+            # later, where the device says it can export; create() also falls back when
+            # the driver refuses it anyway.
+            handle_types = _cu.CUmemAllocationHandleType
+            attributes = _cu.CUdevice_attribute
+            exportable = _check(
+                _cu.cuDeviceGetAttribute(
+                    attributes.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                    device_index,
+                ),
+                "cuDeviceGetAttribute",
+                device=device_index,
+            )
+            prop.requestedHandleTypes = (
+                handle_types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                if exportable
+                else handle_types.CU_MEM_HANDLE_TYPE_NONE
+            )
+            self._allocation_props[device_index] = prop
+        return prop
+
+    def granularity(self, device_index: int) -> int:
+        """``cuMemGetAllocationGranularity`` (minimum) of :meth:`create`'s chunks. Cached."""
+        granularity = self._granularities.get(device_index)
+        if granularity is None:
+            self.ensure_context(device_index)
+            granularity = int(
+                _check(
+                    _cu.cuMemGetAllocationGranularity(
+                        self._allocation_prop(device_index),
+                        _cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                    ),
+                    "cuMemGetAllocationGranularity",
+                    device=device_index,
+                )
+            )
+            self._granularities[device_index] = granularity
+        return granularity
+
+    # -- virtual memory -------------------------------------------------------------
+    def reserve(self, size: int, alignment: int = 0) -> int:
+        """``cuMemAddressReserve``: ``size`` bytes of address space, no memory behind it."""
+        ptr = _check(
+            _cu.cuMemAddressReserve(size, alignment, 0, 0),
+            "cuMemAddressReserve",
+            size=size,
+            alignment=alignment,
+        )
+        return int(ptr)
+
+    def free_reserved(self, ptr: int, size: int) -> None:
+        _check(_cu.cuMemAddressFree(ptr, size), "cuMemAddressFree", ptr=hex(ptr), size=size)
+
+    def create(self, size: int, device_index: int) -> Any:
+        """``cuMemCreate``: one pinned chunk on ``device_index``; returns its
+        ``CUmemGenericAllocationHandle``.
+
+        On out-of-memory, frameworks already imported are asked to return their cached
+        memory and the call is retried once.
+        """
+        self.ensure_context(device_index)
+        try:
+            return self._create(size, device_index)
+        except DriverError as error:
+            if not error.out_of_memory or not _release_framework_caches():
+                raise
+        # A framework's cache release may have switched this thread's context.
+        self.ensure_context(device_index)
+        return self._create(size, device_index)
+
+    def _create(self, size: int, device_index: int) -> Any:
+        prop = self._allocation_prop(device_index)
+        error, handle = _cu.cuMemCreate(size, prop, 0)
+        if error == _NOT_SUPPORTED and (
+            prop.requestedHandleTypes != _cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        ):
+            # This device or driver cannot export handles: stop asking for it, for good.
+            prop.requestedHandleTypes = _cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+            error, handle = _cu.cuMemCreate(size, prop, 0)
+        return _check((error, handle), "cuMemCreate", size=size, device=device_index)
+
+    def release(self, handle: Any) -> None:
+        _check(_cu.cuMemRelease(handle), "cuMemRelease", handle=int(handle))
+
+    def map(self, ptr: int, size: int, handle: Any) -> None:
+        _check(_cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap", ptr=hex(ptr), size=size)
+
+    def unmap(self, ptr: int, size: int) -> None:
+        _check(_cu.cuMemUnmap(ptr, size), "cuMemUnmap", ptr=hex(ptr), size=size)
+
+    def set_access(self, ptr: int, size: int, device_index: int) -> None:
+        """``cuMemSetAccess`` read/write for ``device_index`` over whole mapped chunks."""
+        descs = self._access_descs.get(device_index)
+        if descs is None:
+            desc = _cu.CUmemAccessDesc()
+            desc.location.type = _cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = device_index
+            desc.flags = _cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            descs = self._access_descs[device_index] = [desc]
+        self.ensure_context(device_index)
+        _check(
+            _cu.cuMemSetAccess(ptr, size, descs, 1),
+            "cuMemSetAccess",
+            ptr=hex(ptr),
+            size=size,
+            device=device_index,
+        )
+
+    # -- work on the memory ---------------------------------------------------------
+    def memset(self, ptr: int, value: int, size: int, device_index: int) -> None:
+        """``cuMemsetD8Async`` on the legacy default stream."""
+        self.ensure_context(device_index)
+        _check(
+            _cu.cuMemsetD8Async(ptr, value, size, _PRODUCER_STREAM),
+            "cuMemsetD8Async",
+            ptr=hex(ptr),
+            value=value,
+            size=size,
+            device=device_index,
+        )
+
+    def copy(self, dst: int, src: int, size: int, device_index: int) -> None:
+        """``cuMemcpyAsync`` on the legacy default stream (unified addressing: any two
+        device or mapped-host pointers)."""
+        self.ensure_context(device_index)
+        _check(
+            _cu.cuMemcpyAsync(dst, src, size, _PRODUCER_STREAM),
+            "cuMemcpyAsync",
+            dst=hex(dst),
+            src=hex(src),
+            size=size,
+            device=device_index,
+        )
+
+    def synchronize(self, device_index: int) -> None:
+        self.ensure_context(device_index)
+        _check(_cu.cuCtxSynchronize(), "cuCtxSynchronize", device=device_index)
+
+    def record_ready_event(self, device_index: int) -> Any:
+        """A ``CUevent`` (timing disabled) recorded after the producer stream's work.
+        The caller owns it and frees it with :meth:`destroy_event`."""
+        self.ensure_context(device_index)
+        event = _check(
+            _cu.cuEventCreate(_cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+            "cuEventCreate",
+            device=device_index,
+        )
+        try:
+            _check(
+                _cu.cuEventRecord(event, _PRODUCER_STREAM), "cuEventRecord", device=device_index
+            )
+        except DriverError:
+            _cu.cuEventDestroy(event)  # the record error is the one to report
+            raise
+        return event
+
+    def stream_wait_event(self, stream: int, event: Any, device_index: int) -> None:
+        """Make the consumer ``stream`` wait for ``event``.
+
+        ``stream`` is a DLPack stream number: 1 the legacy default stream, 2 the
+        per-thread default stream, else a ``CUstream`` address. 0 is ambiguous for CUDA
+        and is refused, as DLPack says.
+        """
+        if not isinstance(stream, int) or stream <= 0:
+            raise ValueError(
+                f"invalid CUDA stream {stream!r} for DLPack: expected 1, 2 or a stream handle"
+            )
+        handle = _cu.CUstream(_DLPACK_STREAMS.get(stream, stream))
+        self.ensure_context(device_index)
+        _check(
+            _cu.cuStreamWaitEvent(handle, event, 0),
+            "cuStreamWaitEvent",
+            stream=hex(stream),
+            device=device_index,
+        )
+
+    def destroy_event(self, event: Any) -> None:
+        _check(_cu.cuEventDestroy(event), "cuEventDestroy")
+
+    # -- pinned host memory ---------------------------------------------------------
+    def host_alloc(self, size: int, device_index: int) -> tuple[int, int]:
+        """``cuMemHostAlloc`` (mapped, portable) and ``cuMemHostGetDevicePointer``.
+        Returns ``(host_ptr, device_ptr)`` as ints."""
+        self.ensure_context(device_index)
+        flags = _cu.CU_MEMHOSTALLOC_DEVICEMAP | _cu.CU_MEMHOSTALLOC_PORTABLE
+        host_ptr = int(
+            _check(
+                _cu.cuMemHostAlloc(size, flags), "cuMemHostAlloc", size=size, device=device_index
+            )
+        )
+        try:
+            device_ptr = _check(
+                _cu.cuMemHostGetDevicePointer(host_ptr, 0),
+                "cuMemHostGetDevicePointer",
+                host_ptr=hex(host_ptr),
+                device=device_index,
+            )
+        except DriverError:
+            _cu.cuMemFreeHost(host_ptr)  # nothing half-done; the lookup error is reported
+            raise
+        self._host_devices[host_ptr] = device_index
+        return host_ptr, int(device_ptr)
+
+    def host_free(self, host_ptr: int) -> None:
+        device_index = self._host_devices.get(host_ptr)
+        if device_index is not None:
+            # cuMemFreeHost needs a context; the caller's thread may have none.
+            self.ensure_context(device_index)
+        _check(_cu.cuMemFreeHost(host_ptr), "cuMemFreeHost", host_ptr=hex(host_ptr))
+        self._host_devices.pop(host_ptr, None)
+
+
+def _release_framework_caches() -> bool:
+    """Ask frameworks that are already imported to return cached device memory.
+
+    Never imports one. Returns True when something was asked, i.e. a retry may help.
+    """
+    released = False
+    torch = sys.modules.get("torch")
+    # torch's caching allocator keeps freed blocks that cuMemCreate cannot reuse.
+    # empty_cache frees them on every device it initialized; is_initialized keeps a
+    # process where torch never touched CUDA from creating contexts here.
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        released = True
+    # JAX: XLA's BFC allocator holds its pool (by default 75% of the device, taken at
+    # start-up) and has no public call that returns it to the driver. Users who mix
+    # jaxbuf and JAX set XLA_PYTHON_CLIENT_PREALLOCATE=false or a lower
+    # XLA_PYTHON_CLIENT_MEM_FRACTION instead; nothing to ask here.
+    return released
+
+
+def _probe_confidential_computing() -> str | None:
+    enabled = None
+    try:
+        from cuda.bindings import nvml
+
+        nvml.init_v2()
+        try:
+            # NVML_CC_SYSTEM_FEATURE_ENABLED == 1
+            enabled = int(nvml.system_get_conf_compute_state().cc_feature) == 1
+        finally:
+            nvml.shutdown()
+    except Exception:  # noqa: BLE001
+        # A probe, not cleanup: older cuda-bindings lack the nvml module or call, or NVML
+        # is absent or fails (ImportError, AttributeError, NvmlError, RuntimeError from
+        # the loader). Try nvidia-ml-py; any failure means "unknown", never a crash.
+        enabled = None
+    if enabled is None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                state = pynvml.nvmlSystemGetConfComputeState()
+                enabled = int(state.ccFeature) == pynvml.NVML_CC_SYSTEM_FEATURE_ENABLED
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - as above: unknown, not fatal
+            enabled = None
+    if enabled:
+        return (
+            "Confidential computing is enabled: the GPU cannot read pinned host memory in place."
+        )
+    return None
