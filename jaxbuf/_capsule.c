@@ -11,6 +11,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* The deleter is the second field after manager_ctx in both layouts; we only need its address,
  * so both structs are described by their prefix. */
@@ -55,17 +57,59 @@ static int add_address(PyObject *module, const char *name, const void *address) 
     return 0;
 }
 
+/* new_capsule(payload: bytes, tensor_offset: int, shape_offset: int, versioned: bool)
+ *
+ * Copy a managed-tensor payload packed by _dlpack.py into one malloc block, point its DLTensor's
+ * shape and strides fields (at tensor_offset + 24 and + 32) at the arrays that follow the
+ * header (at shape_offset), and wrap the block in a capsule. One C call instead of three ctypes
+ * calls (malloc, memmove, PyCapsule_New): capsule export is on every framework import. */
+static PyObject *new_capsule(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    char *payload;
+    Py_ssize_t size;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "new_capsule takes 4 arguments");
+        return NULL;
+    }
+    if (PyBytes_AsStringAndSize(args[0], &payload, &size) < 0) return NULL;
+    Py_ssize_t tensor_offset = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t shape_offset = PyLong_AsSsize_t(args[2]);
+    int versioned = PyObject_IsTrue(args[3]);
+    if (PyErr_Occurred() || versioned < 0) return NULL;
+    if (tensor_offset < 0 || shape_offset < tensor_offset + 48 || shape_offset > size ||
+        (size - shape_offset) % 16 != 0) {
+        PyErr_SetString(PyExc_ValueError, "malformed DLPack payload");
+        return NULL;
+    }
+    char *block = (char *)malloc((size_t)size);
+    if (block == NULL) return PyErr_NoMemory();
+    memcpy(block, payload, (size_t)size);
+    Py_ssize_t ndim = (size - shape_offset) / 16;
+    void *shape = block + shape_offset;
+    void *strides = block + shape_offset + 8 * ndim;
+    memcpy(block + tensor_offset + 24, &shape, sizeof(void *));
+    memcpy(block + tensor_offset + 32, &strides, sizeof(void *));
+    PyObject *capsule = PyCapsule_New(block, versioned ? VERSIONED_NAME : LEGACY_NAME,
+                                      dltensor_capsule_destructor);
+    if (capsule == NULL) free(block);
+    return capsule;
+}
+
+static PyMethodDef capsule_methods[] = {
+    {"new_capsule", (PyCFunction)(void (*)(void))new_capsule, METH_FASTCALL,
+     "new_capsule(payload, tensor_offset, shape_offset, versioned) -> capsule"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef capsule_module = {
     PyModuleDef_HEAD_INIT, "_capsule",
-    "Addresses of the C destructor and static names for jaxbuf's DLPack capsules.", -1, NULL,
+    "The C side of jaxbuf's DLPack capsules: their destructor and a fast builder.", -1,
+    capsule_methods,
 };
 
 PyMODINIT_FUNC PyInit__capsule(void) {
     PyObject *module = PyModule_Create(&capsule_module);
     if (module == NULL) return NULL;
-    if (add_address(module, "DESTRUCTOR_ADDRESS", (const void *)dltensor_capsule_destructor) < 0 ||
-        add_address(module, "LEGACY_NAME_ADDRESS", LEGACY_NAME) < 0 ||
-        add_address(module, "VERSIONED_NAME_ADDRESS", VERSIONED_NAME) < 0) {
+    if (add_address(module, "DESTRUCTOR_ADDRESS", (const void *)dltensor_capsule_destructor) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -9,8 +9,10 @@ tensor points at is never freed by a deleter: it belongs to the producing buffer
 An unconsumed capsule is freed by the C destructor in ``_capsule.c``, which also holds the
 capsule names as static strings (a name must outlive capsules alive at interpreter exit).
 
-Capsules are built by packing the bytes with a precompiled ``struct.Struct`` and one
-``memmove``: writing ctypes fields one by one costs several microseconds per capsule.
+A view packs its payload once (``pack_payload``, a ``struct`` format checked against the ctypes
+layouts); each export is then one C call, ``_capsule.new_capsule``, which copies the payload
+into a malloc block, points the shape/strides fields at it and wraps it in a capsule. Writing
+ctypes fields one by one, as the seed does, costs several microseconds per capsule.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import ctypes
 import struct
 from functools import lru_cache
 
-from ._capsule import DESTRUCTOR_ADDRESS, LEGACY_NAME_ADDRESS, VERSIONED_NAME_ADDRESS
+from . import _capsule
 
 DLPACK_VERSION = (1, 0)
 FLAG_READ_ONLY = 1  # DLPACK_FLAG_BITMASK_READ_ONLY
@@ -92,26 +94,15 @@ if _LEGACY_SIZE != ctypes.sizeof(DLManagedTensor) or _VERSIONED_SIZE != ctypes.s
     raise ImportError("DLPack struct layout differs from the packed format on this platform")
 
 _libc = ctypes.CDLL(None)
-_malloc = _libc.malloc
-_malloc.argtypes = [ctypes.c_size_t]
-_malloc.restype = ctypes.c_void_p
-_free = _libc.free
-_free.argtypes = [ctypes.c_void_p]
-_free.restype = None
-FREE_ADDRESS: int = ctypes.cast(_free, ctypes.c_void_p).value  # the deleter of every capsule
-_memmove = ctypes.memmove
-
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-_capsule_new.restype = ctypes.py_object
+FREE_ADDRESS: int = ctypes.cast(_libc.free, ctypes.c_void_p).value  # every capsule's deleter
+_LEGACY_TENSOR_OFFSET = 0
+_VERSIONED_TENSOR_OFFSET = ctypes.sizeof(DLManagedTensorVersioned) - ctypes.sizeof(DLTensor)
 
 
 @lru_cache(maxsize=64)
-def _layout(versioned: bool, ndim: int) -> tuple[struct.Struct, int]:
-    """The packer for a capsule payload of ``ndim`` dims and the offset of its shape array."""
+def _packer(versioned: bool, ndim: int) -> struct.Struct:
     header = _VERSIONED_FORMAT if versioned else _LEGACY_FORMAT
-    packer = struct.Struct(header + "q" * (2 * ndim))
-    return packer, struct.calcsize(header)
+    return struct.Struct(header + "q" * (2 * ndim))
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -123,36 +114,41 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def tensor_fields(
-    data: int, device_type: int, device_id: int, dtype_code: int, dtype_bits: int, ndim: int
-) -> tuple[int, ...]:
-    """The address-independent leading fields of a ``DLTensor``, for :func:`new_capsule`."""
-    return (data, device_type, device_id, ndim, dtype_code, dtype_bits, 1)
+Payload = tuple  # (bytes, tensor_offset, shape_offset, versioned): new_capsule's arguments
 
 
-def new_capsule(
-    head: tuple[int, ...], dims: tuple[int, ...], versioned: bool = False, flags: int = 0
-):
-    """Build a ``dltensor`` (or ``dltensor_versioned``) capsule.
+def pack_payload(
+    data: int,
+    device_type: int,
+    device_id: int,
+    dtype_code: int,
+    dtype_bits: int,
+    shape: tuple[int, ...],
+    *,
+    versioned: bool = False,
+    read_only: bool = False,
+) -> Payload:
+    """Pack a managed tensor over ``data`` with row-major strides, ready for :func:`new_capsule`.
 
-    ``head`` comes from :func:`tensor_fields`; ``dims`` is the shape followed by the strides
-    (in elements). The capsule owns one malloc block (struct + shape + strides): a consumer
-    frees it through the deleter, an unconsumed capsule in its C destructor. The tensor's
-    data is not owned. Views cache ``head`` and ``dims``: this is the per-export hot path.
+    The shape/strides pointers are left NULL: they are set to the capsule's own block.
     """
-    packer, shape_offset = _layout(versioned, len(dims) // 2)
-    address = _malloc(packer.size)
-    if not address:
-        raise MemoryError(f"malloc({packer.size}) failed for a DLPack capsule")
-    shape_address = address + shape_offset
-    try:
-        if versioned:
-            _memmove(address, packer.pack(*DLPACK_VERSION, 0, FREE_ADDRESS, flags, *head,
-                     shape_address, shape_address + 4 * len(dims), 0, *dims), packer.size)
-            return _capsule_new(address, VERSIONED_NAME_ADDRESS, DESTRUCTOR_ADDRESS)
-        _memmove(address, packer.pack(*head, shape_address, shape_address + 4 * len(dims),
-                 0, 0, FREE_ADDRESS, *dims), packer.size)  # fmt: skip
-        return _capsule_new(address, LEGACY_NAME_ADDRESS, DESTRUCTOR_ADDRESS)
-    except BaseException:
-        _free(address)
-        raise
+    ndim = len(shape)
+    tensor = (data, device_type, device_id, ndim, dtype_code, dtype_bits, 1, 0, 0, 0)
+    dims = (*shape, *contiguous_strides(shape))
+    packer = _packer(versioned, ndim)
+    if versioned:
+        flags = FLAG_READ_ONLY if read_only else 0
+        payload = packer.pack(*DLPACK_VERSION, 0, FREE_ADDRESS, flags, *tensor, *dims)
+        return payload, _VERSIONED_TENSOR_OFFSET, _VERSIONED_SIZE, True
+    payload = packer.pack(*tensor, 0, FREE_ADDRESS, *dims)
+    return payload, _LEGACY_TENSOR_OFFSET, _LEGACY_SIZE, False
+
+
+def new_capsule(payload: Payload):
+    """A fresh ``dltensor`` (or ``dltensor_versioned``) capsule from a packed payload.
+
+    The capsule owns one malloc block (struct + shape + strides): a consumer frees it through
+    the deleter (libc ``free``), an unconsumed capsule in its C destructor. The tensor's data is
+    not owned.
+    """
+    return _capsule.new_capsule(*payload)

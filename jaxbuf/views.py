@@ -66,7 +66,7 @@ class BufferView:
     """
 
     __slots__ = ("ptr", "nbytes", "dtype", "shape", "device", "owner", "dlpack_device_type",
-                 "_head", "_dims")  # fmt: skip
+                 "_legacy_payload", "_versioned_payload")  # fmt: skip
 
     def __init__(
         self,
@@ -94,12 +94,9 @@ class BufferView:
         self.device = device
         self.owner = owner
         self.dlpack_device_type = dlpack_device_type
-        # Everything a capsule needs except its own address, computed once per view.
-        self._head = _dlpack.tensor_fields(
-            ptr, dlpack_device_type, device.index if device.is_cuda else 0,
-            dtype.dlpack_code, dtype.itemsize * 8, len(shape),
-        )  # fmt: skip
-        self._dims = shape + _dlpack.contiguous_strides(shape)
+        # A view is immutable, so its capsule payloads are packed once; an export is one C call.
+        self._legacy_payload = self._pack(versioned=False)
+        self._versioned_payload = None
 
     def __repr__(self) -> str:
         return (
@@ -154,9 +151,11 @@ class BufferView:
             if self.dlpack_device_type not in _STREAM_DEVICE_TYPES:
                 raise BufferError(f"stream must be None for a CPU view, got {stream!r}")
             self._order_stream(stream)
-        return _dlpack.new_capsule(
-            self._head, self._dims, max_version is not None and max_version[0] >= 1
-        )
+        if max_version is not None and max_version[0] >= 1:
+            if self._versioned_payload is None:
+                self._versioned_payload = self._pack(versioned=True)
+            return _dlpack.new_capsule(self._versioned_payload)
+        return _dlpack.new_capsule(self._legacy_payload)
 
     def _order_stream(self, stream: int) -> None:
         """Make the consumer's ``stream`` wait for the owner's pending producer work."""
@@ -164,8 +163,11 @@ class BufferView:
         if event is not None:
             self.owner._driver.stream_wait_event(stream, event, self.device.index)
 
-    def _capsule(self, versioned: bool = False):
-        return _dlpack.new_capsule(self._head, self._dims, versioned)
+    def _pack(self, versioned: bool) -> _dlpack.Payload:
+        return _dlpack.pack_payload(
+            self.ptr, self.dlpack_device_type, self.device.index if self.device.is_cuda else 0,
+            self.dtype.dlpack_code, self.dtype.itemsize * 8, self.shape, versioned=versioned,
+        )  # fmt: skip
 
     # -- framework adapters -------------------------------------------------------------
     def to_numpy(self) -> np.ndarray:
@@ -193,7 +195,7 @@ class BufferView:
             )
         if self.device.is_cuda and getattr(self.owner, "_ready_event", None) is not None:
             target._order_stream(torch.cuda.current_stream(self.device.index).cuda_stream)
-        tensor = torch._C._from_dlpack(target._capsule())
+        tensor = torch._C._from_dlpack(_dlpack.new_capsule(target._legacy_payload))
         tensor._jaxbuf_owner = self.owner
         return tensor
 
