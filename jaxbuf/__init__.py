@@ -8,8 +8,18 @@ needs only numpy; torch, JAX, Triton and cuda-bindings are imported when first u
 
 from .devices import Device, as_device, default_device
 from .dtypes import DType, canonical_dtype
+from .extensible import ExtensibleTensor, granule_size
 from .views import BufferView
 
 __version__ = "0.1.0"
 
-__all__ = ["BufferView", "Device", "DType", "as_device", "canonical_dtype", "default_device"]
+__all__ = [
+    "BufferView",
+    "Device",
+    "DType",
+    "ExtensibleTensor",
+    "as_device",
+    "canonical_dtype",
+    "default_device",
+    "granule_size",
+]
