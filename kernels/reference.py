@@ -1,0 +1,150 @@
+"""Numpy side of the staged-write kernels: table builders, overlap check, reference apply.
+
+The table format is the one :mod:`jaxbuf.kernels.staged_write` documents: an int64 write table
+``[W, 5]`` (``group, row, start, content_offset, length``; ``content_offset`` in bytes, the rest
+in elements) and an int64 group table ``[G, 3]`` (``out_ptr, row_stride, elem_size``).
+:func:`apply_staged_writes_numpy` applies them one write after another through raw addresses, so
+later writes always win; it is the test oracle and the explicit fallback when Triton is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = [
+    "WRITE_FIELDS",
+    "GROUP_FIELDS",
+    "CONTENT_ALIGNMENT",
+    "make_write_table",
+    "make_group_table",
+    "pack_contents",
+    "has_overlap",
+    "address_of",
+    "apply_staged_writes_numpy",
+]
+
+WRITE_FIELDS = ("group", "row", "start", "content_offset", "length")
+GROUP_FIELDS = ("out_ptr", "row_stride", "elem_size")
+# Contents buffers must start on this boundary so an 8-byte element at an aligned offset is
+# itself aligned (misaligned 8-byte loads fault on the GPU).
+CONTENT_ALIGNMENT = 8
+_ELEM_SIZES = (1, 2, 4, 8)
+
+
+def make_write_table(groups, rows, starts, content_offsets, lengths) -> np.ndarray:
+    """Stack the per-write fields into a C-contiguous int64 ``[W, 5]`` table."""
+    columns = [np.asarray(c, dtype=np.int64).reshape(-1)
+               for c in (groups, rows, starts, content_offsets, lengths)]
+    num_writes = columns[0].shape[0]
+    for name, column in zip(WRITE_FIELDS, columns):
+        if column.shape[0] != num_writes:
+            raise ValueError(f"write field {name!r} has {column.shape[0]} entries, "
+                             f"expected {num_writes}")
+    return np.ascontiguousarray(np.stack(columns, axis=1)) if num_writes else np.zeros(
+        (0, 5), np.int64)
+
+
+def make_group_table(out_ptrs, row_strides, elem_sizes) -> np.ndarray:
+    """Stack the per-group fields into a C-contiguous int64 ``[G, 3]`` table."""
+    columns = [np.asarray(c, dtype=np.int64).reshape(-1)
+               for c in (out_ptrs, row_strides, elem_sizes)]
+    for name, column in zip(GROUP_FIELDS, columns):
+        if column.shape[0] != columns[0].shape[0]:
+            raise ValueError(f"group field {name!r} has {column.shape[0]} entries, "
+                             f"expected {columns[0].shape[0]}")
+    bad = ~np.isin(columns[2], _ELEM_SIZES)
+    if bad.any():
+        raise ValueError(f"elem_size must be one of {_ELEM_SIZES}, got {columns[2][bad][0]}")
+    return np.ascontiguousarray(np.stack(columns, axis=1))
+
+
+def pack_contents(values: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate the raw bytes of ``values`` into one uint8 buffer.
+
+    Returns ``(contents, content_offsets)``: each array starts at a byte offset that is a
+    multiple of its itemsize, and ``contents`` itself is 8-byte aligned.
+    """
+    offsets = np.zeros(len(values), dtype=np.int64)
+    total = 0
+    for i, value in enumerate(values):
+        itemsize = value.dtype.itemsize
+        total = -(-total // itemsize) * itemsize
+        offsets[i] = total
+        total += value.nbytes
+    # Over-allocate by the alignment and slice so the start is aligned whatever numpy gave us.
+    raw = np.zeros(total + CONTENT_ALIGNMENT, dtype=np.uint8)
+    shift = (-raw.ctypes.data) % CONTENT_ALIGNMENT
+    contents = raw[shift:shift + total]
+    for offset, value in zip(offsets, values):
+        contents[offset:offset + value.nbytes] = np.ascontiguousarray(value).reshape(-1).view(
+            np.uint8)
+    return contents, offsets
+
+
+def has_overlap(groups, rows, starts, lengths) -> bool:
+    """Whether two non-empty writes touch the same element of the same group's row.
+
+    O(W log W): sort by (group, row, start); with sorted starts, a write overlaps some later
+    write exactly when it overlaps the next one in its row, so comparing neighbours suffices.
+    """
+    groups, rows, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1)
+                                     for a in (groups, rows, starts, lengths))
+    keep = lengths > 0  # an empty write touches nothing
+    groups, rows, starts, lengths = groups[keep], rows[keep], starts[keep], lengths[keep]
+    if groups.shape[0] < 2:
+        return False
+    order = np.lexsort((starts, rows, groups))
+    groups, rows, starts, ends = (groups[order], rows[order], starts[order],
+                                  starts[order] + lengths[order])
+    same_row = (groups[1:] == groups[:-1]) & (rows[1:] == rows[:-1])
+    return bool(np.any(same_row & (ends[:-1] > starts[1:])))
+
+
+def address_of(obj: Any) -> int:
+    """The address behind ``obj``: an int, a C-contiguous numpy array, or anything with
+    ``data_ptr()`` (torch tensors, jaxbuf views)."""
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise ValueError("numpy arrays passed by address must be C-contiguous")
+        return int(obj.ctypes.data)
+    if hasattr(obj, "data_ptr"):
+        return int(obj.data_ptr())
+    raise TypeError(f"cannot take the address of {type(obj).__name__}; pass an int address, "
+                    "a numpy array or an object with data_ptr()")
+
+
+def _check_tables(write_table: np.ndarray, group_table: np.ndarray) -> None:
+    for name, table, width in (("write_table", write_table, 5), ("group_table", group_table, 3)):
+        if not isinstance(table, np.ndarray):
+            raise TypeError(f"{name} must be a numpy array, got {type(table).__name__}")
+        if table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != width:
+            raise ValueError(f"{name} must be int64 [N, {width}], got {table.dtype} "
+                             f"{list(table.shape)}")
+        if not table.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+
+
+def apply_staged_writes_numpy(write_table: np.ndarray, group_table: np.ndarray, contents: Any,
+                              num_writes: int | None = None) -> None:
+    """Apply the first ``num_writes`` rows of ``write_table`` in order; later writes win.
+
+    Tables are host numpy arrays; ``contents`` is a numpy array or an int address; targets are
+    written through the raw ``out_ptr`` addresses, so they must be host-addressable memory.
+    """
+    _check_tables(write_table, group_table)
+    if num_writes is None:
+        num_writes = write_table.shape[0]
+    if not 0 <= num_writes <= write_table.shape[0]:
+        raise ValueError(f"num_writes {num_writes} outside [0, {write_table.shape[0]}]")
+    contents_addr = address_of(contents)
+    for group, row, start, content_offset, length in write_table[:num_writes].tolist():
+        if length <= 0:
+            continue
+        out_ptr, row_stride, elem_size = group_table[group].tolist()
+        ctypes.memmove(out_ptr + (row * row_stride + start) * elem_size,
+                       contents_addr + content_offset, length * elem_size)
