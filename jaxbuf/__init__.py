@@ -9,6 +9,15 @@ needs only numpy; torch, JAX, Triton and cuda-bindings are imported when first u
 from .devices import Device, as_device, default_device
 from .dtypes import DType, canonical_dtype
 from .extensible import ExtensibleTensor, granule_size
+from .uva import (
+    NonUvaBuffer,
+    UvaBackedTensor,
+    UvaBuffer,
+    UvaBufferPool,
+    async_copy_to_device,
+    is_uva_available,
+    uva_unavailable_reason,
+)
 from .views import BufferView
 
 __version__ = "0.1.0"
@@ -18,6 +27,13 @@ __all__ = [
     "Device",
     "DType",
     "ExtensibleTensor",
+    "NonUvaBuffer",
+    "UvaBackedTensor",
+    "UvaBuffer",
+    "UvaBufferPool",
+    "async_copy_to_device",
+    "is_uva_available",
+    "uva_unavailable_reason",
     "as_device",
     "canonical_dtype",
     "default_device",

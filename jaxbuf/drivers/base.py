@@ -131,7 +131,21 @@ class VmmDriver(abc.ABC):
         """Make the consumer ``stream`` wait for ``event`` (from :meth:`record_ready_event`)."""
 
     def destroy_event(self, event: Any) -> None:
-        """Destroy an event from :meth:`record_ready_event`."""
+        """Destroy an event from :meth:`record_ready_event` or :meth:`record_event`."""
+
+    def record_event(self, stream: int, device_index: int) -> Any:
+        """Record a new event on the consumer ``stream`` (a DLPack stream number: 1 the
+        legacy default stream, 2 the per-thread default stream, else a stream handle), after
+        the work already enqueued there. None when the platform has no asynchronous work.
+        The caller owns the event and frees it with :meth:`destroy_event`."""
+        return None
+
+    def event_query(self, event: Any) -> bool:
+        """True when the work before ``event`` is done (never blocks)."""
+        return True
+
+    def event_synchronize(self, event: Any) -> None:
+        """Block the calling thread until the work before ``event`` is done."""
 
     # -- pinned host memory ---------------------------------------------------------
     @abc.abstractmethod

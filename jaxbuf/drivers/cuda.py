@@ -398,6 +398,37 @@ class CudaVmmDriver(VmmDriver):
     def destroy_event(self, event: Any) -> None:
         _check(_cu.cuEventDestroy(event), "cuEventDestroy")
 
+    def record_event(self, stream: int, device_index: int) -> Any:
+        """A ``CUevent`` (timing disabled) recorded on the consumer ``stream`` (a DLPack
+        stream number, as in :meth:`stream_wait_event`). The caller destroys it."""
+        if not isinstance(stream, int) or stream <= 0:
+            raise ValueError(f"invalid CUDA stream {stream!r}: expected 1, 2 or a stream handle")
+        handle = _cu.CUstream(_DLPACK_STREAMS.get(stream, stream))
+        self.ensure_context(device_index)
+        event = _check(
+            _cu.cuEventCreate(_cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+            "cuEventCreate",
+            device=device_index,
+        )
+        try:
+            _check(_cu.cuEventRecord(event, handle), "cuEventRecord", stream=hex(stream))
+        except DriverError:
+            _cu.cuEventDestroy(event)  # the record error is the one to report
+            raise
+        return event
+
+    def event_query(self, event: Any) -> bool:
+        """``cuEventQuery``: True when done, False while ``CUDA_ERROR_NOT_READY``."""
+        (error,) = _cu.cuEventQuery(event)
+        if error == _SUCCESS:
+            return True
+        if error == _cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        raise DriverError("cuEventQuery", _error_name(error))
+
+    def event_synchronize(self, event: Any) -> None:
+        _check(_cu.cuEventSynchronize(event), "cuEventSynchronize")
+
     # -- pinned host memory ---------------------------------------------------------
     def host_alloc(self, size: int, device_index: int) -> tuple[int, int]:
         """``cuMemHostAlloc`` (mapped, portable) and ``cuMemHostGetDevicePointer``.
