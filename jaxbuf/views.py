@@ -194,7 +194,9 @@ class BufferView:
                 "use the device view of a pinned buffer"
             )
         if self.device.is_cuda and getattr(self.owner, "_ready_event", None) is not None:
-            target._order_stream(torch.cuda.current_stream(self.device.index).cuda_stream)
+            stream = torch.cuda.current_stream(self.device.index).cuda_stream
+            # torch names the legacy default stream 0; DLPack reserves 0 and calls it 1.
+            target._order_stream(stream or 1)
         tensor = torch._C._from_dlpack(_dlpack.new_capsule(target._legacy_payload))
         tensor._jaxbuf_owner = self.owner
         return tensor
