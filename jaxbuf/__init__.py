@@ -9,6 +9,7 @@ needs only numpy; torch, JAX, Triton and cuda-bindings are imported when first u
 from .devices import Device, as_device, default_device
 from .dtypes import DType, canonical_dtype
 from .extensible import ExtensibleTensor, granule_size
+from .staged import FusedStagedWriter, StagedWriteTensor
 from .uva import (
     NonUvaBuffer,
     UvaBackedTensor,
@@ -27,7 +28,9 @@ __all__ = [
     "Device",
     "DType",
     "ExtensibleTensor",
+    "FusedStagedWriter",
     "NonUvaBuffer",
+    "StagedWriteTensor",
     "UvaBackedTensor",
     "UvaBuffer",
     "UvaBufferPool",
