@@ -31,12 +31,14 @@ def test_cuda_graph_over_full_view_survives_growth():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            early_out.copy_(full[:16])  # warm up outside capture
+            torch.add(full[:16], 0, out=early_out)  # warm up outside capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        # Kernels, not copies: a captured memcpy node is checked against the memory mapped at
+        # capture time (INVALID_VALUE for uncommitted addresses); a kernel node is not.
         with torch.cuda.graph(graph):
-            early_out.copy_(full[:16])
-            late_out.copy_(full[late : late + 16])
+            torch.add(full[:16], 0, out=early_out)
+            torch.add(full[late : late + 16], 0, out=late_out)
         buf.resize_per_segment_(late + 2 * MiB, zero_new=True)
         assert buf.base_ptr == base
         full[late : late + 16].fill_(7)
