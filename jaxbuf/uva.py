@@ -38,7 +38,7 @@ from .devices import Device, as_device, default_device
 from .drivers import DriverError, get_vmm_driver
 from .drivers.base import K_DL_CPU, VmmDriver
 from .dtypes import DType, canonical_dtype
-from .views import BufferView
+from .views import BufferView, as_shape
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
@@ -66,16 +66,11 @@ _MAX_CACHED_LENGTHS = 256
 
 # -- validation ---------------------------------------------------------------------------
 def _as_shape(size: Any) -> tuple[int, ...]:
-    """``size`` (an int or a sequence of ints) as a shape; TypeError / ValueError naming it."""
-    dims = (size,) if not isinstance(size, (tuple, list)) else tuple(size)
+    """``size`` (an int or a sequence of ints) as a shape of at least one dimension."""
+    dims = as_shape(size, "size")
     if not dims:
         raise ValueError(f"size must have at least one dimension, got {size!r}")
-    for dim in dims:
-        if isinstance(dim, bool) or not hasattr(dim, "__index__"):
-            raise TypeError(f"size must be an int or a sequence of ints, got {size!r}")
-        if operator.index(dim) < 0:
-            raise ValueError(f"size must be non-negative, got {size!r}")
-    return tuple(operator.index(dim) for dim in dims)
+    return dims
 
 
 def _resolve(device: Any, driver: VmmDriver | None) -> tuple[Device, VmmDriver]:

@@ -26,18 +26,22 @@ _HOST_DEVICE_TYPES = (K_DL_CPU, K_DL_CUDA_HOST, K_DL_ROCM_HOST)
 _STREAM_DEVICE_TYPES = (K_DL_CUDA, K_DL_CUDA_HOST, K_DL_ROCM, K_DL_ROCM_HOST)
 
 
-def _as_shape(shape: Any) -> tuple[int, ...]:
+def as_shape(shape: Any, name: str = "shape") -> tuple[int, ...]:
+    """``shape`` (an int or a sequence of ints, numpy integers accepted) as a tuple of
+    non-negative Python ints; TypeError / ValueError naming it otherwise."""
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (shape,)
+    if isinstance(shape, (str, bytes)):
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {shape!r}")
     try:
         dims = tuple(shape)
     except TypeError:
-        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {shape!r}") from None
     for dim in dims:
         if isinstance(dim, bool) or not hasattr(dim, "__index__"):
-            raise TypeError(f"shape entries must be ints, got {shape!r}")
+            raise TypeError(f"{name} entries must be ints, got {shape!r}")
         if operator.index(dim) < 0:
-            raise ValueError(f"shape entries must be non-negative, got {shape!r}")
+            raise ValueError(f"{name} entries must be non-negative, got {shape!r}")
     return tuple(operator.index(dim) for dim in dims)
 
 
@@ -79,7 +83,7 @@ class BufferView:
         dlpack_device_type: int = K_DL_CPU,
     ) -> None:
         dtype = canonical_dtype(dtype)
-        shape = (nbytes // dtype.itemsize,) if shape is None else _as_shape(shape)
+        shape = (nbytes // dtype.itemsize,) if shape is None else as_shape(shape)
         needed = math.prod(shape) * dtype.itemsize
         if needed > nbytes:
             raise ValueError(

@@ -162,3 +162,17 @@ def measure_per_call(
         if gc_was_enabled:
             gc.enable()
     return Timing(statistics.median(samples), samples)
+
+
+def release_torch_memory(device: Any) -> None:
+    """Return torch's cached device and pinned host memory."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if device.is_cuda and torch.cuda.is_available():
+        torch.cuda.synchronize(device.index)
+        torch.cuda.empty_cache()
+        empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()

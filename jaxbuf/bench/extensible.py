@@ -34,6 +34,7 @@ from jaxbuf.bench._timing import (
     device_synchronizer,
     measure,
     measure_per_call,
+    release_torch_memory,
 )
 from jaxbuf.drivers import get_vmm_driver
 from jaxbuf.drivers.base import K_DL_CPU, VmmDriver
@@ -299,17 +300,6 @@ def _skip_reason(error: BaseException) -> str:
     raise error
 
 
-def _empty_torch_cache(device: Any) -> None:
-    """Return torch's cached device memory to the driver."""
-    try:
-        import torch
-    except ImportError:
-        return
-    if device.is_cuda and torch.cuda.is_available():
-        torch.cuda.synchronize(device.index)
-        torch.cuda.empty_cache()
-
-
 def _timed_growth(make, committed: int, step: int, repeat: int, warmup: int) -> Timing:
     """Median time of one ``resize_per_segment_`` by ``step`` from ``committed`` upwards.
 
@@ -346,11 +336,11 @@ def _torch_realloc(device: Any, committed: int, step: int, repeat: int) -> Timin
         # Each grow is to a size never allocated before, so a real realloc misses the
         # caching allocator: return the new block to the driver after every sample.
         return measure(realloc, repeat=repeat, warmup=1, synchronize=sync,
-                       teardown=lambda: _empty_torch_cache(device),
+                       teardown=lambda: release_torch_memory(device),
                        device_timer=device_event_timer(device))  # fmt: skip
     finally:
         del old
-        _empty_torch_cache(device)
+        release_torch_memory(device)
 
 
 def _jax_realloc(device: Any, committed: int, step: int, repeat: int) -> Timing:

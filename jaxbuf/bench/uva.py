@@ -26,7 +26,12 @@ from typing import Any
 import numpy as np
 
 from jaxbuf.bench import Row, format_bytes, suite
-from jaxbuf.bench._timing import device_event_timer, device_synchronizer, measure
+from jaxbuf.bench._timing import (
+    device_event_timer,
+    device_synchronizer,
+    measure,
+    release_torch_memory,
+)
 from jaxbuf.drivers import get_vmm_driver
 from jaxbuf.uva import UvaBuffer, UvaBufferPool
 from jaxbuf.views import BufferView
@@ -128,20 +133,6 @@ def _interleaved_per_call(
     return {key: statistics.median(values) / number for key, values in samples.items()}
 
 
-def _release_torch_memory(device: Any) -> None:
-    """Return torch's cached device and pinned host memory."""
-    try:
-        import torch
-    except ImportError:
-        return
-    if device.is_cuda and torch.cuda.is_available():
-        torch.cuda.synchronize(device.index)
-        torch.cuda.empty_cache()
-        empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-        if empty_host_cache is not None:
-            empty_host_cache()
-
-
 # --------------------------------------------------------------------------------------
 # Suites
 # --------------------------------------------------------------------------------------
@@ -201,7 +192,7 @@ def copy_to_uva(device: Any, quick: bool) -> Iterator[Row]:
             for pool in pools.values():
                 pool.close()
             pools.clear()
-            _release_torch_memory(device)
+            release_torch_memory(device)
 
         size = format_bytes(nbytes)
         for framework in ("torch", "view"):
@@ -341,7 +332,7 @@ def read(device: Any, quick: bool) -> Iterator[Row]:
                 # Drop every tensor over the pinned memory before freeing it.
                 functions = copy_then_read = host_source = uva = device_copy = None
                 buffer.free()
-                _release_torch_memory(device)
+                release_torch_memory(device)
 
             size = format_bytes(nbytes)
 
@@ -362,4 +353,4 @@ def read(device: Any, quick: bool) -> Iterator[Row]:
                 )  # fmt: skip
     finally:
         del scratch
-        _release_torch_memory(device)
+        release_torch_memory(device)

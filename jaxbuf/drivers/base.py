@@ -122,10 +122,16 @@ class VmmDriver(abc.ABC):
     def synchronize(self, device_index: int) -> None:
         """Wait until all work on the device is done."""
 
-    def record_ready_event(self, device_index: int) -> Any:
-        """Record an event after the producer's pending work; None when the platform
-        has no asynchronous work (the CPU)."""
+    def memory_info(self, device_index: int) -> tuple[int, int] | None:
+        """``(free_bytes, total_bytes)`` of the device's memory, or None when the platform
+        has no separate device memory to report (the CPU). Used by leak checks."""
         return None
+
+    def record_ready_event(self, device_index: int) -> Any:
+        """Record an event after the producer's pending work (jaxbuf's own work runs on the
+        legacy default stream, DLPack stream 1); None when the platform has no asynchronous
+        work (the CPU)."""
+        return self.record_event(1, device_index)
 
     def stream_wait_event(self, stream: int, event: Any, device_index: int) -> None:
         """Make the consumer ``stream`` wait for ``event`` (from :meth:`record_ready_event`)."""

@@ -357,23 +357,11 @@ class CudaVmmDriver(VmmDriver):
         self.ensure_context(device_index)
         _check(_cu.cuCtxSynchronize(), "cuCtxSynchronize", device=device_index)
 
-    def record_ready_event(self, device_index: int) -> Any:
-        """A ``CUevent`` (timing disabled) recorded after the producer stream's work.
-        The caller owns it and frees it with :meth:`destroy_event`."""
+    def memory_info(self, device_index: int) -> tuple[int, int]:
+        """``cuMemGetInfo``: ``(free_bytes, total_bytes)`` of ``device_index``."""
         self.ensure_context(device_index)
-        event = _check(
-            _cu.cuEventCreate(_cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
-            "cuEventCreate",
-            device=device_index,
-        )
-        try:
-            _check(
-                _cu.cuEventRecord(event, _PRODUCER_STREAM), "cuEventRecord", device=device_index
-            )
-        except DriverError:
-            _cu.cuEventDestroy(event)  # the record error is the one to report
-            raise
-        return event
+        free, total = _check(_cu.cuMemGetInfo(), "cuMemGetInfo", device=device_index)
+        return int(free), int(total)
 
     def stream_wait_event(self, stream: int, event: Any, device_index: int) -> None:
         """Make the consumer ``stream`` wait for ``event``.
