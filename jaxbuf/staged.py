@@ -981,66 +981,6 @@ def _make_launcher(backend: str, device: Device):
                                 block_size=_BLOCK_SIZE, interpret=True)  # fmt: skip
 
         return launch_interpreted
-    return _CudaTritonLauncher(device.index)
+    from .kernels.staged_write import CompiledLauncher
 
-
-class _CudaTritonLauncher:
-    """Launches the compiled Triton kernel through its cached launcher.
-
-    ``kernel[grid](...)`` re-binds and re-specialises its arguments on every call (tens of
-    microseconds of Python); the arguments here never change type (three int64 addresses and
-    an int32 count), so after one ``warmup`` compile per ``serial`` value the compiled
-    kernel's launcher is called directly, on an explicit stream. Triton's launch hooks
-    (profilers) are not called on this path. Triton releases before 3.3 launch differently:
-    there every launch goes through ``jaxbuf.kernels.apply_staged_writes``.
-    """
-
-    # Compiled with addresses past 2**32 so the address parameters are int64 whatever the
-    # first real addresses are.
-    _WARMUP_ADDRESS = 1 << 40
-
-    def __init__(self, device_index: int) -> None:
-        import triton
-
-        self.device_index = device_index
-        self._compiled: dict[bool, tuple] = {}
-        version = tuple(int(part) for part in triton.__version__.split(".")[:2])
-        self._fast = version >= (3, 3)
-
-    def _compile(self, serial: bool) -> tuple:
-        import torch
-
-        from .kernels.staged_write import _kernel
-
-        kernel = _kernel(False)
-        address = self._WARMUP_ADDRESS
-        with torch.cuda.device(self.device_index):
-            compiled = kernel.warmup(address, address, address, 1 << 20, BLOCK_SIZE=_BLOCK_SIZE,
-                                     SERIAL=serial, grid=(1,))  # fmt: skip
-            if hasattr(compiled, "result"):  # an asynchronous compile
-                compiled = compiled.result()
-            compiled._init_handles()
-        entry = (compiled.run, compiled.function, compiled.packed_metadata)
-        self._compiled[serial] = entry
-        return entry
-
-    def __call__(self, wt, gt, contents, num_writes, serial, raw_stream, wt_np, gt_np) -> None:
-        if num_writes >= 1 << 31:
-            raise ValueError(f"{num_writes} writes exceed one launch's int32 count")
-        if not self._fast:
-            import torch
-
-            from .kernels import apply_staged_writes
-
-            apply_staged_writes(wt, gt, contents, num_writes, serial=serial,
-                                block_size=_BLOCK_SIZE, interpret=False,
-                                stream=torch.cuda.ExternalStream(raw_stream))  # fmt: skip
-            return
-        entry = self._compiled.get(serial)
-        if entry is None:
-            entry = self._compile(serial)
-        run, function, metadata = entry
-        # The launcher takes every kernel argument, constexprs included, as JITFunction.run
-        # passes them.
-        run(1 if serial else num_writes, 1, 1, raw_stream, function, metadata, None, None, None,
-            wt, gt, contents, num_writes, _BLOCK_SIZE, serial)  # fmt: skip
+    return CompiledLauncher(device.index, block_size=_BLOCK_SIZE)
