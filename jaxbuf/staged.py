@@ -108,6 +108,8 @@ def _target_shape(size: Any) -> tuple[tuple[int, ...], int, int]:
         dims = (_as_index(size, "size"),)
     if any(d < 0 for d in dims):
         raise ValueError(f"size must be non-negative, got {size!r}")
+    if math.prod(dims) >= 1 << 60:  # times an itemsize of up to 8: past int64 / size_t
+        raise ValueError(f"size {size!r} is too large: {math.prod(dims)} elements")
     if len(dims) == 1:
         return dims, dims[0], 1
     return dims, dims[0], dims[1]
@@ -129,8 +131,9 @@ def _check_dtype(dtype: Any) -> DType:
 def _check_max_concurrency(max_concurrency: Any) -> int:
     if max_concurrency is None:
         return _DEFAULT_MAX_CONCURRENCY
-    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int):
+    if isinstance(max_concurrency, bool) or not hasattr(max_concurrency, "__index__"):
         raise TypeError(f"max_concurrency must be an int or None, got {max_concurrency!r}")
+    max_concurrency = operator.index(max_concurrency)
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
     return max_concurrency
@@ -669,8 +672,8 @@ class FusedStagedWriter:
         self._slots: list[Any] = []
         self._closed = True
         max_writes = _as_index(max_writes, "max_writes")
-        if max_writes < 1:
-            raise ValueError(f"max_writes must be positive, got {max_writes}")
+        if not 1 <= max_writes < 1 << 31:  # one launch counts its writes in int32
+            raise ValueError(f"max_writes must be in [1, 2**31), got {max_writes}")
         max_concurrency = _check_max_concurrency(max_concurrency)
         device, driver = _resolve(device, driver)
         self.backend = _check_backend(backend, device)
@@ -690,6 +693,8 @@ class FusedStagedWriter:
         self._slot_ptrs = [0] * max_concurrency  # device-visible addresses (the kernel reads)
         self._slot_capacities = [0] * max_concurrency
         self._slot_events: list[_AppliedEvent | None] = [None] * max_concurrency
+        # Row-segment bounds of a slot's serial (overlapping) apply, made when first needed.
+        self._segment_buffers: list[Any] = [None] * max_concurrency
         self._curr = max_concurrency - 1
         self._layouts: dict[tuple, _Layout] = {}
         self._launch = _make_launcher(self.backend, device)
@@ -761,6 +766,9 @@ class FusedStagedWriter:
         group_addr = self._slot_ptrs[i]
         contents_addr = self._slot_ptrs[i] + contents_start
         serial = repeated and self._overlaps(i, num_groups, num_writes)
+        segments = num_segments = 0
+        if serial:
+            segments, num_segments = self._row_segments(i, num_groups, num_writes, event)
         if self._is_cuda:
             raw_stream = _raw_stream(stream, self.device)
             dlpack_stream = raw_stream or 1  # DLPack and CUDA agree on 1 (legacy) and 2
@@ -771,7 +779,7 @@ class FusedStagedWriter:
                 if applied is not None and applied.stream != dlpack_stream:
                     driver.stream_wait_event(dlpack_stream, applied.handle, index)
             self._launch(table_addr, group_addr, contents_addr, num_writes, serial, raw_stream,
-                         None, None)  # fmt: skip
+                         None, None, segments=segments, num_segments=num_segments)  # fmt: skip
             event = _AppliedEvent(driver, driver.record_event(dlpack_stream, index),
                                   dlpack_stream)  # fmt: skip
             self._slot_events[i] = event
@@ -780,7 +788,8 @@ class FusedStagedWriter:
                     t._applied = event
         else:
             tables = self._tables(i, num_groups, num_writes)
-            self._launch(table_addr, group_addr, contents_addr, num_writes, serial, 0, *tables)
+            self._launch(table_addr, group_addr, contents_addr, num_writes, serial, 0, *tables,
+                         segments=segments, num_segments=num_segments)  # fmt: skip
         if stagers is not None:
             _clear(stagers)
         else:
@@ -800,6 +809,27 @@ class FusedStagedWriter:
 
         table = self._tables(i, num_groups, num_writes)[0]
         return has_overlap(table[:, 0], table[:, 1], table[:, 2], table[:, 4])
+
+    def _row_segments(self, i: int, num_groups: int, num_writes: int,
+                      event: _AppliedEvent | None) -> tuple[int, int]:  # fmt: skip
+        """Group slot ``i``'s writes by target row, in order, for a serial launch (one program
+        per row, so rows still run in parallel). Returns the device address of the segment
+        bounds (in a pinned buffer kept with the slot) and the number of segments."""
+        from .kernels import row_segments
+        from .uva import UvaBuffer
+
+        bounds = row_segments(self._tables(i, num_groups, num_writes)[0])
+        buffer = self._segment_buffers[i]
+        if buffer is None or len(buffer) < bounds.size:
+            if event is not None:
+                event.wait()  # the old buffer is freed: its reader must be done
+            if buffer is not None:
+                buffer.free()
+            size = 1 << (bounds.size - 1).bit_length()
+            buffer = self._segment_buffers[i] = UvaBuffer(size, "int64", self.device,
+                                                          driver=self._driver)  # fmt: skip
+        buffer.np[: bounds.size] = bounds
+        return buffer.device_ptr, bounds.size - 1
 
     # -- slots -----------------------------------------------------------------------------
     def _grow(self, i: int, nbytes: int, event: _AppliedEvent | None) -> None:
@@ -867,7 +897,8 @@ class FusedStagedWriter:
         slots, self._slots = self._slots, [None] * len(self._slots)
         self._slot_i64 = [None] * len(slots)
         self._slot_capacities = [0] * len(slots)
-        for slot in slots:
+        buffers, self._segment_buffers = self._segment_buffers, [None] * len(slots)
+        for slot in (*slots, *buffers):
             if slot is not None:
                 slot.free()
 
@@ -969,15 +1000,19 @@ def _make_launcher(backend: str, device: Device):
     if backend == "numpy":
         from .kernels import apply_staged_writes_numpy
 
-        def launch_numpy(wt, gt, contents, num_writes, serial, raw_stream, wt_np, gt_np):
+        def launch_numpy(wt, gt, contents, num_writes, serial, raw_stream, wt_np, gt_np,
+                         segments=0, num_segments=0):  # fmt: skip
+            # In table order: row-grouped serial tables keep each row's order, so later wins.
             apply_staged_writes_numpy(wt_np, gt_np, contents, num_writes)
 
         return launch_numpy
     if not device.is_cuda:
-        from .kernels import apply_staged_writes
+        from .kernels import IntsAt, apply_staged_writes
 
-        def launch_interpreted(wt, gt, contents, num_writes, serial, raw_stream, wt_np, gt_np):
+        def launch_interpreted(wt, gt, contents, num_writes, serial, raw_stream, wt_np, gt_np,
+                               segments=0, num_segments=0):  # fmt: skip
             apply_staged_writes(wt, gt, contents, num_writes, serial=serial,
+                                segments=IntsAt(segments, num_segments + 1) if serial else None,
                                 block_size=_BLOCK_SIZE, interpret=True)  # fmt: skip
 
         return launch_interpreted

@@ -8,6 +8,7 @@ still use the numpy reference, selected explicitly.
 from .reference import (
     CONTENT_ALIGNMENT,
     GROUP_FIELDS,
+    IntsAt,
     WRITE_FIELDS,
     address_of,
     apply_staged_writes_numpy,
@@ -15,11 +16,13 @@ from .reference import (
     make_group_table,
     make_write_table,
     pack_contents,
+    row_segments,
 )
 
 __all__ = [
     "CONTENT_ALIGNMENT",
     "GROUP_FIELDS",
+    "IntsAt",
     "WRITE_FIELDS",
     "address_of",
     "apply_staged_writes",
@@ -28,6 +31,7 @@ __all__ = [
     "make_group_table",
     "make_write_table",
     "pack_contents",
+    "row_segments",
 ]
 
 

@@ -24,6 +24,8 @@ __all__ = [
     "has_overlap",
     "address_of",
     "apply_staged_writes_numpy",
+    "row_segments",
+    "IntsAt",
 ]
 
 WRITE_FIELDS = ("group", "row", "start", "content_offset", "length")
@@ -67,6 +69,9 @@ def pack_contents(values: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]
     Returns ``(contents, content_offsets)``: each array starts at a byte offset that is a
     multiple of its itemsize, and ``contents`` itself is 8-byte aligned.
     """
+    for value in values:
+        if not isinstance(value, np.ndarray):
+            raise TypeError(f"values must be numpy arrays, got {value!r}")
     offsets = np.zeros(len(values), dtype=np.int64)
     total = 0
     for i, value in enumerate(values):
@@ -92,6 +97,9 @@ def has_overlap(groups, rows, starts, lengths) -> bool:
     """
     groups, rows, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1)
                                      for a in (groups, rows, starts, lengths))
+    if not groups.shape == rows.shape == starts.shape == lengths.shape:
+        raise ValueError(f"groups, rows, starts and lengths differ in length: {groups.shape[0]}, "
+                         f"{rows.shape[0]}, {starts.shape[0]}, {lengths.shape[0]}")
     keep = lengths > 0  # an empty write touches nothing
     groups, rows, starts, lengths = groups[keep], rows[keep], starts[keep], lengths[keep]
     if groups.shape[0] < 2:
@@ -148,3 +156,27 @@ def apply_staged_writes_numpy(write_table: np.ndarray, group_table: np.ndarray, 
         out_ptr, row_stride, elem_size = group_table[group].tolist()
         ctypes.memmove(out_ptr + (row * row_stride + start) * elem_size,
                        contents_addr + content_offset, length * elem_size)
+
+
+def row_segments(write_table: np.ndarray) -> np.ndarray:
+    """Reorder ``write_table`` in place so writes to one target row are adjacent, keeping their
+    order (a stable sort on ``(group, row)``), and return the int64 ``[S + 1]`` bounds of the
+    runs of equal ``(group, row)``: the ``segments`` of a serial launch, in which writes that
+    may overlap run in order and different rows still run in parallel."""
+    order = np.lexsort((write_table[:, 1], write_table[:, 0]))  # lexsort is stable
+    write_table[:] = write_table[order]
+    keys = write_table[:, :2]
+    starts = np.flatnonzero(np.any(keys[1:] != keys[:-1], axis=1)) + 1
+    return np.concatenate(([0], starts, [write_table.shape[0]])).astype(np.int64)
+
+
+class IntsAt:
+    """``length`` int64 values at ``address`` (host or device): what the launchers need of an
+    array (``shape``, ``data_ptr()``) when only its address is known."""
+
+    def __init__(self, address: int, length: int) -> None:
+        self.shape = (length,)
+        self._address = address
+
+    def data_ptr(self) -> int:
+        return self._address

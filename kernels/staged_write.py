@@ -13,7 +13,8 @@ Tables (int64, C-contiguous, built by the caller, e.g. with :func:`make_write_ta
   address of element ``[0, 0]``, ``row_stride`` counts elements, ``elem_size`` is 1, 2, 4 or 8.
 
 Writes in a parallel launch have no defined order among themselves; when two overlap, launch with
-``serial=True`` (one program walks the writes in table order, so later writes win).
+``serial=True`` (writes grouped by target row with :func:`jaxbuf.kernels.row_segments`; one
+program per row walks its writes in table order, so later writes win).
 :func:`jaxbuf.kernels.has_overlap` tells which is needed.
 """
 
@@ -26,7 +27,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from .reference import CONTENT_ALIGNMENT, address_of
+from .reference import CONTENT_ALIGNMENT, IntsAt, address_of
 
 __all__ = ["CompiledLauncher", "apply_staged_writes", "DEFAULT_BLOCK_SIZE"]
 
@@ -34,14 +35,15 @@ DEFAULT_BLOCK_SIZE = 1024
 
 
 @triton.jit(do_not_specialize=["write_table_addr", "group_table_addr", "contents_addr",
-                               "num_writes"])
+                               "num_writes", "segments_addr"])
 def _apply_staged_writes_kernel(
     write_table_addr,  # int64 address of the int64 [W, 5] write table
     group_table_addr,  # int64 address of the int64 [G, 3] group table
     contents_addr,  # int64 address of the contents bytes (8-byte aligned)
     num_writes,  # W: number of write-table rows to apply
+    segments_addr,  # SERIAL only: int64 address of int64 [S + 1] segment bounds in the table
     BLOCK_SIZE: tl.constexpr,  # elements copied per step; longer writes loop
-    SERIAL: tl.constexpr,  # one program applies every write in table order (later wins)
+    SERIAL: tl.constexpr,  # program p applies writes [segments[p], segments[p + 1]) in order
 ):
     # Addresses arrive as integers, not typed pointer arguments: the Triton interpreter only
     # accepts torch tensors as pointer arguments, and integers work unchanged on both.
@@ -54,8 +56,12 @@ def _apply_staged_writes_kernel(
     # Loop variables start as tensors of their final types, as Triton requires of loop-carried
     # values.
     if SERIAL:
-        write = num_writes * 0
-        end_write = num_writes
+        # Writes that may overlap sit in one segment (the host groups them by target row), and
+        # a segment's writes run in table order inside one program: later writes win, while
+        # segments still run in parallel.
+        segments = segments_addr.to(tl.int64).to(tl.pointer_type(tl.int64))
+        write = tl.load(segments + tl.program_id(0))
+        end_write = tl.load(segments + tl.program_id(0) + 1)
     else:
         write = tl.program_id(0)
         end_write = write + 1
@@ -153,17 +159,20 @@ def _kernel(interpret: bool):
 
 def apply_staged_writes(write_table: Any, group_table: Any, contents: Any,
                         num_writes: int | None = None, *, serial: bool = False,
-                        block_size: int = DEFAULT_BLOCK_SIZE, interpret: bool | None = None,
-                        stream: Any = None) -> None:
+                        segments: Any = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                        interpret: bool | None = None, stream: Any = None) -> None:
     """Apply ``num_writes`` staged writes with one kernel launch.
 
     ``write_table``, ``group_table`` and ``contents`` are each an int address, a C-contiguous
     numpy array, or an object with ``data_ptr()`` (torch tensor, jaxbuf view). The kernel reads
     them in place: on the GPU they must be device-visible (device memory or UVA-mapped pinned host
     memory, so no copy is made); under the interpreter they are host memory. ``num_writes`` may be
-    omitted only when ``write_table`` is a numpy array. ``serial=True`` runs one program over all
-    writes in order (needed when writes overlap; later writes win); otherwise one program per
-    write. ``interpret`` defaults to the ``TRITON_INTERPRET`` environment variable. ``stream``
+    omitted only when ``write_table`` is a numpy array. ``serial=True`` (needed when writes
+    overlap; later writes win) runs one program per segment of ``segments`` (int64 ``[S + 1]``
+    bounds into the table, device-visible like the tables; see
+    :func:`jaxbuf.kernels.row_segments`), each
+    applying its writes in table order; without ``segments``, one program applies every write.
+    Otherwise one program per write. ``interpret`` defaults to the ``TRITON_INTERPRET`` environment variable. ``stream``
     (a ``torch.cuda.Stream``) defaults to torch's current stream; the launch is asynchronous
     there.
     """
@@ -197,8 +206,17 @@ def apply_staged_writes(write_table: Any, group_table: Any, contents: Any,
     if interpret is None:
         interpret = _interpret_requested()
     kernel = _kernel(interpret)
-    grid = (1,) if serial else (num_writes,)
-    args = (write_table_addr, group_table_addr, contents_addr, num_writes)
+    segments_addr, grid = 0, (num_writes,)
+    if serial:
+        if segments is None:
+            segments = np.array([0, num_writes], dtype=np.int64)
+            if not interpret:  # the device must read it
+                import torch
+
+                segments = torch.from_numpy(segments).cuda()
+        num_segments = _segment_count(segments)
+        segments_addr, grid = address_of(segments), (num_segments,)
+    args = (write_table_addr, group_table_addr, contents_addr, num_writes, segments_addr)
     if stream is None or interpret:
         kernel[grid](*args, BLOCK_SIZE=block_size, SERIAL=serial)
         return
@@ -206,6 +224,13 @@ def apply_staged_writes(write_table: Any, group_table: Any, contents: Any,
 
     with torch.cuda.stream(stream):
         kernel[grid](*args, BLOCK_SIZE=block_size, SERIAL=serial)
+
+
+def _segment_count(segments: Any) -> int:
+    shape = getattr(segments, "shape", None)
+    if shape is None or len(shape) != 1 or shape[0] < 2:
+        raise ValueError(f"segments must be a 1-D int64 array of S + 1 >= 2 bounds, got {shape}")
+    return int(shape[0]) - 1
 
 
 class CompiledLauncher:
@@ -241,7 +266,7 @@ class CompiledLauncher:
         kernel = _kernel(False)
         address = self._WARMUP_ADDRESS
         with torch.cuda.device(self.device_index):
-            compiled = kernel.warmup(address, address, address, 1 << 20,
+            compiled = kernel.warmup(address, address, address, 1 << 20, address,
                                      BLOCK_SIZE=self.block_size, SERIAL=serial, grid=(1,))  # fmt: skip
             if hasattr(compiled, "result"):  # an asynchronous compile
                 compiled = compiled.result()
@@ -250,14 +275,16 @@ class CompiledLauncher:
         self._compiled[serial] = entry
         return entry
 
-    def __call__(self, wt, gt, contents, num_writes, serial, raw_stream, *_host_tables) -> None:
+    def __call__(self, wt, gt, contents, num_writes, serial, raw_stream, *_host_tables,
+                 segments: int = 0, num_segments: int = 1) -> None:
         if num_writes >= 1 << 31:
             raise ValueError(f"{num_writes} writes exceed one launch's int32 count")
         if not self._fast:
             import torch
 
             apply_staged_writes(wt, gt, contents, num_writes, serial=serial,
-                                block_size=self.block_size, interpret=False,
+                                segments=IntsAt(segments, num_segments + 1) if serial
+                                else None, block_size=self.block_size, interpret=False,
                                 stream=torch.cuda.ExternalStream(raw_stream))  # fmt: skip
             return
         entry = self._compiled.get(serial)
@@ -266,5 +293,6 @@ class CompiledLauncher:
         run, function, metadata = entry
         # The launcher takes every kernel argument, constexprs included, as JITFunction.run
         # passes them.
-        run(1 if serial else num_writes, 1, 1, raw_stream, function, metadata, None, None, None,
-            wt, gt, contents, num_writes, self.block_size, serial)  # fmt: skip
+        run(num_segments if serial else num_writes, 1, 1, raw_stream, function, metadata, None,
+            None, None, wt, gt, contents, num_writes, segments, self.block_size, serial)  # fmt: skip
+

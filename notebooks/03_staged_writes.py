@@ -153,7 +153,7 @@ writer = FusedStagedWriter(device, max_writes=64)
 
 launches = []
 launch = writer._launch
-writer._launch = lambda *args: (launches.append(args[3]), launch(*args))  # args[3]: write count
+writer._launch = lambda *args, **kwargs: (launches.append(args[3]), launch(*args, **kwargs))  # args[3]: write count
 
 for seq in range(num_seqs):
     block_table.stage_write(seq, 0, list(range(seq * 10, seq * 10 + seq + 1)))

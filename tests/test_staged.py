@@ -217,9 +217,9 @@ def _count_launches(writer, monkeypatch):
     calls = []
     launch = writer._launch
 
-    def counting(*args):
+    def counting(*args, **kwargs):
         calls.append(args[4])  # serial
-        return launch(*args)
+        return launch(*args, **kwargs)
 
     monkeypatch.setattr(writer, "_launch", counting)
     return calls
@@ -265,11 +265,11 @@ def test_mixed_dtypes_in_one_apply(device, packer, cleanup, monkeypatch):
     assert len(launches) == 2
 
 
-def _overlap_trial(rng, swt, writer_apply, num_writes=12):
+def _overlap_trial(rng, swt, writer_apply, num_writes=12, rows=2):
     model = _read(swt)
     num_rows, row_len = model.shape
     for _ in range(num_writes):
-        row = int(rng.integers(2))  # two rows only: plenty of overlap
+        row = int(rng.integers(rows))  # few rows: plenty of overlap
         length = int(rng.integers(1, row_len + 1))
         start = int(rng.integers(0, row_len - length + 1))
         values = rng.integers(-(2**31), 2**31, length).astype(np.int32)
@@ -286,12 +286,20 @@ def test_overlapping_writes_later_wins(device, packer, cleanup):
         _overlap_trial(rng, swt, swt.apply_write)
 
 
+def test_overlapping_writes_across_many_rows(device, packer, cleanup):
+    """Overlap in some rows among many: the launch is grouped by row, later still wins."""
+    rng = np.random.default_rng(5)
+    swt = _swt(cleanup, (16, 24), "int32", device=device)
+    for _ in range(6):
+        _overlap_trial(rng, swt, swt.apply_write, num_writes=40, rows=16)
+
+
 @pytest.mark.gpu
 def test_overlapping_writes_later_wins_200_trials_on_gpu(cleanup):
     rng = np.random.default_rng(4)
-    swt = _swt(cleanup, (2, 2048), "int32", device="cuda")
-    for _ in range(200):
-        _overlap_trial(rng, swt, swt.apply_write, num_writes=64)
+    swt = _swt(cleanup, (64, 2048), "int32", device="cuda")
+    for trial in range(200):
+        _overlap_trial(rng, swt, swt.apply_write, num_writes=64, rows=2 if trial % 2 else 64)
 
 
 def test_overlap_detection_only_when_needed(packer, cleanup, monkeypatch):
