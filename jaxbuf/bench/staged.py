@@ -9,6 +9,9 @@ Suites:
   device=...)`` host-to-device copy, one launch of the same kernel through its ordinary
   launcher), (b) one torch indexing assignment per write, (c) ``index_put_`` per table,
   building its indices included.
+* ``staged.overlap``: an apply in which every row is written twice, overlapping (later wins):
+  the launch grouped by target row (one program per row) against one program walking every
+  write in order, the simple way to keep the order.
 * ``staged.stage``: one ``stage_write`` of 16 elements (numpy and list input) against the
   seed's list staging, and the cost with 64 Ki writes already staged against none.
 
@@ -289,6 +292,53 @@ def apply_suite(device: Any, quick: bool) -> Iterator[Row]:
     sizes = (256,) if quick else (256, 4096)
     for num_writes in sizes:
         yield from _apply_rows(device, num_writes, quick)
+
+
+@suite("staged.overlap")
+def overlap_suite(device: Any, quick: bool) -> Iterator[Row]:
+    """Overlapping writes: one program per row against one program for every write."""
+    from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor
+
+    class _OneProgramWriter(FusedStagedWriter):
+        """The baseline: the whole serial apply in one program (a single segment)."""
+
+        def _row_segments(self, i, num_groups, num_writes, event):
+            address, _ = super()._row_segments(i, num_groups, num_writes, event)
+            self._segment_buffers[i].np[:2] = (0, num_writes)
+            return address, 1
+
+    # On the CPU the kernel runs under Triton's interpreter: few writes, few repeats.
+    num_rows = 16 if not device.is_cuda else (64 if quick else 128)
+    repeat = 3 if not device.is_cuda else (5 if quick else 20)
+    rng = np.random.default_rng(7)
+    writes = []
+    for row in rng.permutation(num_rows).tolist() * 2:  # every row twice: each pair overlaps
+        writes.append((row, 0, rng.integers(0, 2**31, 16, dtype=np.int64).astype(np.int32)))
+    sync = device_synchronizer(device)
+    results = {}
+    for name, writer_cls in (("grouped", FusedStagedWriter), ("one", _OneProgramWriter)):
+        swt = StagedWriteTensor((num_rows, 16), "int32", device)
+        writer = writer_cls(device, len(writes))
+        try:
+            def stage(swt=swt) -> None:
+                for row, start, values in writes:
+                    swt.stage_write(row, start, values)
+
+            results[name] = measure(lambda _, w=writer, t=swt: w.apply([t]), setup=stage,
+                                    repeat=repeat, warmup=1, synchronize=sync)  # fmt: skip
+            expected = np.zeros((num_rows, 16), np.int32)
+            for row, start, values in writes:
+                expected[row, start:start + 16] = values
+            if not np.array_equal(swt.to_torch().cpu().numpy(), expected):
+                raise AssertionError("overlap benchmark: later writes did not win")
+        finally:
+            writer.close()
+            swt.close()
+    yield Row(f"apply {len(writes)} overlapping writes, grouped by row (end to end)",
+              results["grouped"].median_s, "one program for every write, in order",
+              results["one"].median_s,
+              notes="" if device.is_cuda else "CPU: Triton interpreter",
+              params={"num_writes": len(writes), "kind": "overlap"})  # fmt: skip
 
 
 @suite("staged.stage")
