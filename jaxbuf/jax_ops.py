@@ -71,6 +71,15 @@ def _resolve_overlap(rows, starts, lengths, values):
     return flat_rows[run_starts], flat_cols[run_starts], run_lengths, values
 
 
+def _as_indices(values: Any, name: str) -> np.ndarray:
+    """``values`` as a flat int64 array; TypeError naming them unless every entry is an int
+    (a float row would otherwise be truncated silently)."""
+    array = np.asarray(values).reshape(-1)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integers, got {values!r}")
+    return array.astype(np.int64)
+
+
 def pack_writes(rows: Sequence[int], starts: Sequence[int], values_list: Sequence[Any],
                 dtype: Any, *, shape: tuple[int, int] | None = None,
                 min_write_bucket: int = MIN_BUCKET,
@@ -84,8 +93,7 @@ def pack_writes(rows: Sequence[int], starts: Sequence[int], values_list: Sequenc
     to a loop's largest step keeps every step on one compiled shape.
     """
     np_dtype = canonical_dtype(dtype).numpy
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-    starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+    rows, starts = _as_indices(rows, "rows"), _as_indices(starts, "starts")
     if not rows.shape[0] == starts.shape[0] == len(values_list):
         raise ValueError(f"got {rows.shape[0]} rows, {starts.shape[0]} starts and "
                          f"{len(values_list)} values")

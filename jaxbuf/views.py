@@ -82,6 +82,12 @@ class BufferView:
         owner: Any = None,
         dlpack_device_type: int = K_DL_CPU,
     ) -> None:
+        for name, value in (("ptr", ptr), ("nbytes", nbytes)):
+            if isinstance(value, bool) or not hasattr(value, "__index__"):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if not 0 <= operator.index(value) < 1 << 64:
+                raise ValueError(f"{name} must be in [0, 2**64), got {value!r}")
+        ptr, nbytes = operator.index(ptr), operator.index(nbytes)
         dtype = canonical_dtype(dtype)
         shape = (nbytes // dtype.itemsize,) if shape is None else as_shape(shape)
         needed = math.prod(shape) * dtype.itemsize
@@ -146,6 +152,12 @@ class BufferView:
         """
         if copy:
             raise BufferError("jaxbuf views are zero-copy: copy=True is not supported")
+        for name, value in (("max_version", max_version), ("dl_device", dl_device)):
+            if value is not None and not (
+                isinstance(value, tuple) and len(value) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            ):
+                raise TypeError(f"{name} must be None or a tuple of two ints, got {value!r}")
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
             raise BufferError(
                 f"cannot export to device {tuple(dl_device)}: the view lives on "

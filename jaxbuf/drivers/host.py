@@ -7,9 +7,20 @@ VMM call            host implementation
 ``create``          ``memfd_create`` + ``ftruncate`` (+ ``posix_fallocate``)
 ``map``             ``mmap(fd, MAP_SHARED|MAP_FIXED)`` at the address, then ``close(fd)``
 ``unmap``           ``mmap(PROT_NONE, ... MAP_FIXED)`` over the range (stays reserved)
-``free_reserved``   ``munmap``
+``move_mapping``    ``mremap(MREMAP_FIXED|MREMAP_DONTUNMAP)``, then the source re-reserved
+``export_handle``   ``open("/proc/self/map_files/<start>-<end>")`` of the chunk's mapping
+``import_handle``   ``dup`` of the received memfd (mapped, then closed, like a created chunk)
+``free_reserved``   ``mmap(PROT_NONE, ... MAP_FIXED)``, then quarantine (``munmap`` later)
 ``host_alloc``      anonymous private ``mmap`` (RW)
 ==================  ==========================================================
+
+**Quarantine.** ``free_reserved`` does not hand the range back to the kernel at once: it
+replaces it with a fresh ``PROT_NONE`` reservation (dropping any pages) and parks it in a bounded
+FIFO (``quarantine_bytes`` of address space, ``quarantine_ranges`` ranges); only the oldest
+ranges beyond those bounds are ``munmap``-ed. A stale view of a freed buffer then faults
+(``SIGSEGV``) instead of reading whatever a later ``mmap`` placed at the same address. A range
+larger than the whole budget is unmapped at once. :meth:`HostVmmDriver.flush_quarantine` unmaps
+everything parked.
 
 Like the CUDA driver, this one trusts its caller (the buffer layer) to pass addresses inside its
 own reservations: ``MAP_FIXED`` replaces whatever is mapped there. Arguments the kernel would
@@ -26,6 +37,8 @@ import mmap
 import os
 import platform as _platform
 import sys
+import threading
+from collections import deque
 
 from jaxbuf.drivers.base import K_DL_CPU, DriverError, VmmDriver
 
@@ -44,6 +57,15 @@ else:  # asm-generic: x86, arm, arm64, riscv, s390, ...
     _MAP_NORESERVE = 0x4000
 _MAP_RESERVE_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED_NOREPLACE = 0x100000
+# mremap flags (linux/mman.h), the same on every architecture.
+_MREMAP_MAYMOVE = 1
+_MREMAP_FIXED = 2
+_MREMAP_DONTUNMAP = 4  # Linux 5.7; for shared (memfd) mappings since 5.13
+_MAP_FILES_HINT = (
+    "reopening a mapped chunk through /proc/self/map_files needs CAP_SYS_ADMIN or "
+    "CAP_CHECKPOINT_RESTORE (run as root, or grant the capability to the exporting process)"
+)
 
 
 @functools.cache
@@ -56,6 +78,10 @@ def _libc() -> ctypes.CDLL:
     libc.mmap.restype = ctypes.c_void_p
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.munmap.restype = ctypes.c_int
+    libc.mremap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+    ]
+    libc.mremap.restype = ctypes.c_void_p
     return libc
 
 
@@ -80,19 +106,21 @@ class HostChunk:
     """One physical chunk: a ``memfd`` of ``size`` bytes.
 
     States: *created* (``fd`` open) -> *mapped* (``fd`` closed, ``fd == -1``; the mapping
-    now owns the pages) -> *released*. A chunk can be mapped **once**: closing the descriptor
+    now owns the pages; ``ptr`` is its address, kept current by ``move_mapping``, so that
+    ``export_handle`` can reopen the file through ``/proc/self/map_files``) -> *released*. A chunk can be mapped **once**: closing the descriptor
     at map time keeps the process at zero open descriptors per mapped chunk, and the pages
     live exactly as long as the mapping (``unmap`` frees them). :meth:`HostVmmDriver.release`
     may come before or after ``unmap``, as with ``cuMemRelease``.
     """
 
-    __slots__ = ("fd", "size", "mapped", "released")
+    __slots__ = ("fd", "size", "mapped", "released", "ptr")
 
     def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
         self.size = size
         self.mapped = False
         self.released = False
+        self.ptr = 0
 
     def __repr__(self) -> str:
         state = "released" if self.released else "mapped" if self.mapped else "created"
@@ -102,19 +130,48 @@ class HostChunk:
 class HostVmmDriver(VmmDriver):
     """The CPU :class:`VmmDriver` (Linux). One device, index 0; all work is synchronous.
 
-    The only state is ``_host_allocations`` (``host_ptr -> size`` of live :meth:`host_alloc`
-    blocks), so :meth:`host_free` knows what to ``munmap``.
+    State: ``_host_allocations`` (``host_ptr -> size`` of live :meth:`host_alloc` blocks), so
+    :meth:`host_free` knows what to ``munmap``; and the quarantine of freed reservations (see
+    the module docstring), bounded by ``quarantine_bytes`` of address space (default 64 GiB;
+    ``PROT_NONE`` ranges cost no memory) and ``quarantine_ranges`` ranges (default 4096, well
+    under ``vm.max_map_count``). ``quarantine_bytes=0`` unmaps at once, as plain ``munmap``.
+
+    Thread-safe: the one shared instance serves every thread; calls on distinct allocations
+    may run concurrently (callers serialize calls on the same allocation).
     """
 
     platform = "cpu"
     dlpack_device_type = K_DL_CPU
     dlpack_host_device_type = K_DL_CPU
 
-    def __init__(self) -> None:
+    def __init__(self, *, quarantine_bytes: int = 64 << 30, quarantine_ranges: int = 4096) -> None:
+        for name, value in (("quarantine_bytes", quarantine_bytes),
+                            ("quarantine_ranges", quarantine_ranges)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         self._host_allocations: dict[int, int] = {}
+        self.quarantine_bytes = quarantine_bytes
+        self.quarantine_ranges = quarantine_ranges
+        self._quarantine: deque[tuple[int, int]] = deque()  # (ptr, size), oldest first
+        self._quarantined_bytes = 0
+        self._quarantine_lock = threading.Lock()  # the driver is shared between threads
 
     def __repr__(self) -> str:
         return "HostVmmDriver()"
+
+    @property
+    def quarantined(self) -> tuple[int, int]:
+        """``(ranges, bytes)`` of freed reservations parked as ``PROT_NONE``."""
+        with self._quarantine_lock:
+            return len(self._quarantine), self._quarantined_bytes
+
+    def flush_quarantine(self) -> None:
+        """``munmap`` every parked range (their addresses may then be reused)."""
+        with self._quarantine_lock:
+            parked, self._quarantine = list(self._quarantine), deque()
+            self._quarantined_bytes = 0
+        for ptr, size in parked:
+            _munmap(ptr, size)
 
     # -- probing --------------------------------------------------------------------
     @functools.cached_property
@@ -166,7 +223,27 @@ class HostVmmDriver(VmmDriver):
 
     def free_reserved(self, ptr: int, size: int) -> None:
         _check_args("munmap", size, ptr)
-        _munmap(ptr, size)
+        if size > self.quarantine_bytes or not self.quarantine_ranges:
+            _munmap(ptr, size)
+            return
+        # One MAP_FIXED call drops whatever is still mapped and keeps the range reserved, so
+        # a stale pointer into it faults rather than reading a later allocation's bytes.
+        try:
+            _mmap(ptr, size, _PROT_NONE, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr))
+        except DriverError:  # e.g. ENOMEM at vm.max_map_count: free without the guard
+            _munmap(ptr, size)
+            return
+        evicted = []
+        with self._quarantine_lock:
+            self._quarantine.append((ptr, size))
+            self._quarantined_bytes += size
+            while (self._quarantined_bytes > self.quarantine_bytes
+                   or len(self._quarantine) > self.quarantine_ranges):
+                old = self._quarantine.popleft()
+                self._quarantined_bytes -= old[1]
+                evicted.append(old)
+        for old_ptr, old_size in evicted:
+            _munmap(old_ptr, old_size)
 
     def create(self, size: int, device_index: int) -> HostChunk:
         _check_device("memfd_create", device_index)
@@ -218,6 +295,7 @@ class HostVmmDriver(VmmDriver):
         # open descriptors independent of the number of mapped chunks.
         fd, handle.fd = handle.fd, -1
         handle.mapped = True
+        handle.ptr = ptr
         os.close(fd)
 
     def unmap(self, ptr: int, size: int) -> None:
@@ -225,6 +303,102 @@ class HostVmmDriver(VmmDriver):
         # One MAP_FIXED call swaps the shared pages for a fresh PROT_NONE reservation;
         # munmap + mmap would leave a window in which another thread could take the range.
         _mmap(ptr, size, _PROT_NONE, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr))
+
+    def move_mapping(self, handle: HostChunk, src_ptr: int, dst_ptr: int, size: int) -> None:
+        """Move the chunk's mapping with ``mremap`` (the pages move, nothing is copied), then
+        re-reserve the source range with one ``MAP_FIXED`` ``PROT_NONE`` mapping.
+
+        ``MREMAP_DONTUNMAP`` (Linux >= 5.13 for shared mappings) keeps the source range
+        mapped until the re-reservation replaces it, so no other thread can take it in
+        between. Older kernels fall back to a plain move and a ``MAP_FIXED_NOREPLACE``
+        re-reservation; should another thread's ``mmap`` have taken the hole in that
+        instant, ``DriverError(EEXIST)`` reports it *after* the move (the reservation then
+        lacks that range).
+        """
+        _check_args("mremap", size, src_ptr)
+        _check_args("mremap", size, dst_ptr)
+        if handle.released or not handle.mapped or handle.ptr != src_ptr or handle.size != size:
+            raise DriverError(
+                "mremap", "EINVAL", src=hex(src_ptr), dst=hex(dst_ptr), size=size,
+                chunk=repr(handle),
+            )
+        libc = _libc()
+        flags = _MREMAP_MAYMOVE | _MREMAP_FIXED
+        result = libc.mremap(src_ptr, size, size, flags | _MREMAP_DONTUNMAP, dst_ptr)
+        keep_source = True
+        if result is None or result == _MAP_FAILED:
+            code = ctypes.get_errno()
+            if code != errno.EINVAL:
+                raise DriverError("mremap", _errno_name(code), src=hex(src_ptr),
+                                  dst=hex(dst_ptr), size=size)  # fmt: skip
+            keep_source = False  # a kernel without MREMAP_DONTUNMAP for shared mappings
+            result = libc.mremap(src_ptr, size, size, flags, dst_ptr)
+            if result is None or result == _MAP_FAILED:
+                raise DriverError("mremap", _errno_name(ctypes.get_errno()),
+                                  src=hex(src_ptr), dst=hex(dst_ptr), size=size)  # fmt: skip
+        reserve_flags = _MAP_RESERVE_FLAGS | (_MAP_FIXED if keep_source else _MAP_FIXED_NOREPLACE)
+        try:
+            _mmap(src_ptr, size, _PROT_NONE, reserve_flags, -1, ptr=hex(src_ptr),
+                  moved_to=hex(dst_ptr))  # fmt: skip
+        except DriverError:
+            if keep_source:
+                # Move the pages back over the stale source mapping, so that nothing
+                # changed; dst becomes a hole, re-reserved (it was a reservation).
+                back = libc.mremap(dst_ptr, size, size, flags, src_ptr)
+                if back is not None and back != _MAP_FAILED:
+                    _mmap(dst_ptr, size, _PROT_NONE, _MAP_RESERVE_FLAGS | _MAP_FIXED_NOREPLACE,
+                          -1, ptr=hex(dst_ptr))  # fmt: skip
+                    raise
+            handle.ptr = dst_ptr
+            raise
+        handle.ptr = dst_ptr
+
+    def export_handle(self, handle: HostChunk) -> int:
+        """A new descriptor (close-on-exec) for the chunk's memfd: a ``dup`` while the chunk
+        is unmapped, else the mapping's file reopened through ``/proc/self/map_files`` (the
+        driver keeps no descriptor per mapped chunk), which needs CAP_SYS_ADMIN or
+        CAP_CHECKPOINT_RESTORE: ``DriverError(EPERM)`` says so otherwise."""
+        if handle.released:
+            raise DriverError("export_handle", "EBADF", size=handle.size, state="released")
+        if handle.fd >= 0:
+            try:
+                return os.dup(handle.fd)
+            except OSError as exc:
+                raise DriverError("dup", _errno_name(exc.errno), fd=handle.fd) from None
+        path = f"/proc/self/map_files/{handle.ptr:x}-{handle.ptr + handle.size:x}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            details: dict[str, object] = {"path": path, "size": handle.size}
+            if exc.errno in (errno.EPERM, errno.EACCES):
+                details["hint"] = _MAP_FILES_HINT
+            raise DriverError("open", _errno_name(exc.errno), **details) from None
+        try:
+            file_size = os.fstat(fd).st_size
+        except OSError as exc:
+            os.close(fd)
+            raise DriverError("fstat", _errno_name(exc.errno), path=path) from None
+        if file_size != handle.size:  # not this chunk's memfd: never hand it out
+            os.close(fd)
+            raise DriverError("open", "EINVAL", path=path, size=handle.size, file_size=file_size)
+        return fd
+
+    def import_handle(self, fd: int, size: int, device_index: int) -> HostChunk:
+        """A created-state :class:`HostChunk` over a ``dup`` of ``fd`` (the caller keeps
+        ``fd``); :meth:`map` closes the duplicate, as for a chunk from :meth:`create`."""
+        _check_device("import_handle", device_index)
+        _check_args("import_handle", size)
+        try:
+            file_size = os.fstat(fd).st_size
+        except (OSError, TypeError, ValueError) as exc:
+            raise DriverError("fstat", _errno_name(getattr(exc, "errno", None) or errno.EBADF),
+                              fd=fd) from None  # fmt: skip
+        if file_size != size:
+            raise DriverError("import_handle", "EINVAL", fd=fd, size=size, file_size=file_size)
+        try:
+            return HostChunk(os.dup(fd), size)
+        except OSError as exc:
+            raise DriverError("dup", _errno_name(exc.errno), fd=fd) from None
 
     def set_access(self, ptr: int, size: int, device_index: int) -> None:
         # map() already maps read/write; only the arguments are checked.
@@ -274,7 +448,9 @@ def _check_args(call: str, size: int, ptr: int | None = None, *, pages: bool = T
                 **details: object) -> None:
     """``size`` a positive int (a negative one would wrap to a huge ``size_t`` in ctypes);
     with ``pages``, ``size`` and ``ptr`` (when given) multiples of the page size."""
-    valid = isinstance(size, int) and size > 0 and not (pages and size % mmap.PAGESIZE)
+    # ctypes masks an int into size_t: a size past 2**63 would silently wrap to a small one.
+    valid = (isinstance(size, int) and 0 < size < 1 << 63
+             and not (pages and size % mmap.PAGESIZE))
     if ptr is not None:
         valid = valid and isinstance(ptr, int) and not ptr % mmap.PAGESIZE
         details = {"ptr": hex(ptr) if isinstance(ptr, int) else ptr, **details}

@@ -1,0 +1,386 @@
+"""Object lifetime: interpreter exit, garbage-collection cycles, release and free under views.
+
+Documented behaviour tested here:
+
+* Views, framework arrays, pools and writers may be alive at interpreter exit: nothing is
+  freed through the driver once the interpreter is finalizing, and the process exits cleanly.
+* An object graph with a cycle through an ``ExtensibleTensor``, a ``UvaBufferPool`` or a
+  ``StagedWriteTensor`` is collected by ``gc.collect()``, which frees its driver resources,
+  without a ``ResourceWarning`` or an unraisable exception.
+* ``release_physical()`` while views exist: views keep their address. Until memory is committed
+  again, touching them is an access to unmapped memory: on the CPU driver the range is
+  ``PROT_NONE`` and the access dies with ``SIGSEGV`` (never reads stale bytes). After a grow the
+  same views work again; freshly committed CPU memory reads zeros.
+* A view used after ``free()``: on the CPU driver the freed range stays reserved ``PROT_NONE``
+  in the driver's bounded quarantine, so the access dies with ``SIGSEGV`` instead of reading
+  another allocation placed at the same address.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import mmap
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+
+import jaxbuf
+from jaxbuf.drivers import HostVmmDriver
+
+GRANULE = 2 << 20
+
+
+def run_python(source: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``source`` in a fresh interpreter (JAX on the CPU unless the source says otherwise)."""
+    prelude = "import os\nos.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')\n"
+    return subprocess.run([sys.executable, "-X", "dev", "-c", prelude + textwrap.dedent(source)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_clean_exit(result: subprocess.CompletedProcess, marker: str = "done") -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert marker in result.stdout, result.stdout
+    for bad in ("Traceback", "Exception ignored", "ResourceWarning", "Fatal Python error"):
+        assert bad not in result.stderr, result.stderr[-3000:]
+
+
+def assert_segfault(result: subprocess.CompletedProcess, marker: str) -> None:
+    assert marker in result.stdout, (result.stdout, result.stderr[-3000:])
+    assert result.returncode == -signal.SIGSEGV, (result.returncode, result.stdout,
+                                                  result.stderr[-3000:])
+    assert "READ" not in result.stdout, result.stdout
+
+
+# -- interpreter exit ----------------------------------------------------------------------
+EXIT_WITH_VIEWS = """
+import jaxbuf
+buf = jaxbuf.ExtensibleTensor(2 << 20, device={device!r}, num_segments=2)
+buf.resize_per_segment_(4096, zero_new=True)
+view = buf.segment_view(1)
+if {framework!r} == "torch":
+    array = view.to_torch(dtype="float32", shape=(1024,))
+    array += 1
+    total = float(array.sum())
+else:
+    array = view.to_jax(dtype="float32", shape=(1024,))
+    total = float(array.sum())
+assert total == ({framework!r} == "torch") * 1024.0, total
+orphan = jaxbuf.ExtensibleTensor(2 << 20, device={device!r})
+orphan.resize_per_segment_(4096, zero_new=True)
+orphan_array = orphan.full_view().view(shape=4096).to_torch() if {framework!r} == "torch" \
+    else orphan.segment_view(0).to_jax()
+if {framework!r} == "torch":
+    del orphan  # the torch tensor keeps the buffer alive
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_views_alive_at_interpreter_exit(device, framework):
+    assert_clean_exit(run_python(EXIT_WITH_VIEWS.format(device=device, framework=framework)))
+
+
+EXIT_WITH_POOLS_AND_WRITERS = """
+import numpy as np
+import jaxbuf
+device = {device!r}
+backend = "numpy" if device == "cpu" else "triton"
+pools = [jaxbuf.UvaBufferPool((8, 2), "int32", device=device, framework=framework)
+         for framework in ("view", "torch", "jax")]
+arrays = [pool.copy_to_uva(np.arange(6, dtype=np.int32).reshape(3, 2)) for pool in pools]
+backed = jaxbuf.UvaBackedTensor(16, "float32", device=device, framework="torch")
+backed.np[:4] = 1.5
+backed_view = backed.copy_to_uva(4)
+swt = jaxbuf.StagedWriteTensor((4, 8), "int32", device=device, backend=backend)
+swt.stage_write(1, 0, [1, 2, 3])
+swt.apply_write()
+swt.stage_write(2, 0, [4])  # staged, never applied
+other = jaxbuf.StagedWriteTensor(8, "float32", device=device, uva_instead_of_gpu=True,
+                                 backend=backend)
+other.stage_write_elem(3, 2.5)
+writer = jaxbuf.FusedStagedWriter(device, 4, backend=backend)
+writer.apply([swt, other])
+target = swt.to_torch()
+print("done", int(target[1, 2]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_pools_and_writers_alive_at_interpreter_exit(device):
+    result = run_python(EXIT_WITH_POOLS_AND_WRITERS.format(device=device))
+    assert_clean_exit(result, "done 3")
+
+
+def test_jax_donated_view_does_not_crash():
+    result = run_python("""
+        import warnings
+        import numpy as np, jax, jax.numpy as jnp
+        import jaxbuf
+        buf = jaxbuf.ExtensibleTensor(2 << 20, device="cpu")
+        buf.resize_per_segment_(4096, zero_new=True)
+        view = buf.segment_view(0)
+        view.to_numpy().view(np.float32)[:] = 2.0
+        array = view.to_jax(dtype="float32", shape=(1024,))
+        step = jax.jit(lambda x: x * 3 + 1, donate_argnums=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "donated buffers were not usable" is allowed
+            result = step(array)
+            result = step(result)  # a donated JAX-owned result, donated again
+        assert float(result[0]) == 22.0, result
+        del array, result
+        # Whatever JAX did with the donation, the buffer's bytes are jaxbuf's to free.
+        first = float(view.to_numpy().view(np.float32)[0])
+        assert first in (2.0, 7.0), first  # in place (donation honoured) or untouched
+        buf.free()
+        print("done", flush=True)
+    """)
+    assert_clean_exit(result)
+
+
+# -- garbage-collection cycles -------------------------------------------------------------
+class CountingDriver(HostVmmDriver):
+    """The CPU driver counting live reservations and pinned blocks."""
+
+    def __init__(self) -> None:
+        super().__init__(quarantine_bytes=0)
+        self.reservations = 0
+        self.host_blocks = 0
+
+    def reserve(self, size, alignment=0):
+        ptr = super().reserve(size, alignment)
+        self.reservations += 1
+        return ptr
+
+    def free_reserved(self, ptr, size):
+        super().free_reserved(ptr, size)
+        self.reservations -= 1
+
+    def host_alloc(self, size, device_index):
+        result = super().host_alloc(size, device_index)
+        self.host_blocks += 1
+        return result
+
+    def host_free(self, host_ptr):
+        super().host_free(host_ptr)
+        self.host_blocks -= 1
+
+
+class Node:
+    """A graph node; ``node.me = node`` makes the cycle."""
+
+
+def _extensible(driver):
+    buf = jaxbuf.ExtensibleTensor(2 * GRANULE, "cpu", num_segments=2, driver=driver)
+    buf.resize_per_segment_(8192, zero_new=True)
+    torch = pytest.importorskip("torch")
+    return buf, [buf.segment_view(0), buf.segment_view(1).to_torch(), torch.ones(1)]
+
+
+def _pool(driver):
+    pool = jaxbuf.UvaBufferPool((8, 2), "int32", device="cpu", driver=driver,
+                                buffer_cls=jaxbuf.UvaBuffer)
+    return pool, [pool.copy_to_uva([[1, 2], [3, 4]]), pool.copy_to_uva(np.ones((20, 2), np.int32))]
+
+
+def _staged(driver):
+    swt = jaxbuf.StagedWriteTensor((4, 8), "int32", device="cpu", backend="numpy", driver=driver)
+    swt.stage_write(0, 0, [1, 2])
+    swt.apply_write()
+    swt.stage_write(1, 0, [3])
+    uva = jaxbuf.StagedWriteTensor(8, "int32", device="cpu", backend="numpy", driver=driver,
+                                   uva_instead_of_gpu=True)
+    return swt, [swt.gpu, uva, uva.gpu]
+
+
+@pytest.mark.parametrize("make", [_extensible, _pool, _staged],
+                         ids=["ExtensibleTensor", "UvaBufferPool", "StagedWriteTensor"])
+def test_cycles_are_collected_and_free_their_memory(make, monkeypatch):
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    driver = CountingDriver()
+    obj, extras = make(driver)
+    assert driver.reservations or driver.host_blocks
+    node = Node()
+    node.me, node.obj, node.extras = node, obj, extras
+    if not isinstance(obj, jaxbuf.StagedWriteTensor):  # slotted; it cycles through its view
+        obj.back = node
+    extras.append(node)  # views and arrays point back into the cycle too
+    ref = weakref.ref(obj)
+    del obj, extras, node
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+        gc.collect()
+    assert ref() is None
+    assert (driver.reservations, driver.host_blocks) == (0, 0)
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not unraisable, unraisable
+
+
+def test_a_cycle_through_a_numpy_array_needs_an_explicit_free():
+    """numpy arrays are invisible to the cycle collector, so a cycle through ``to_numpy()``'s
+    array (which holds the owner) is never collected: documented; ``free()`` still works."""
+    driver = CountingDriver()
+    buf = jaxbuf.ExtensibleTensor(GRANULE, "cpu", driver=driver)
+    buf.resize_per_segment_(4096)
+    node = Node()
+    node.me, node.array, buf.back = node, buf.segment_view(0).to_numpy(), node
+    ref = weakref.ref(buf)
+    del buf, node
+    gc.collect()
+    assert ref() is not None  # kept alive by the uncollectable cycle
+    ref().free()
+    assert driver.reservations == 0
+    ref().back = None  # break the cycle so the test leaves nothing behind
+    gc.collect()
+    assert ref() is None
+
+
+def test_staged_write_tensor_in_a_cycle_through_its_writer():
+    driver = CountingDriver()
+    swt = jaxbuf.StagedWriteTensor((4, 8), "int32", device="cpu", backend="numpy", driver=driver)
+    writer = jaxbuf.FusedStagedWriter("cpu", 4, backend="numpy", driver=driver)
+    swt.stage_write(0, 0, [1])
+    writer.apply([swt])
+    writer.peer = (swt, writer)
+    ref = weakref.ref(swt)
+    del swt, writer
+    gc.collect()
+    assert ref() is None
+    assert (driver.reservations, driver.host_blocks) == (0, 0)
+
+
+# -- release_physical under live views -----------------------------------------------------
+def test_release_physical_keeps_views_and_recommit_revives_them():
+    buf = jaxbuf.ExtensibleTensor(2 * GRANULE, "cpu", num_segments=2)
+    buf.resize_per_segment_(4096, zero_new=True)
+    view = buf.segment_view(1)
+    array = view.to_numpy()
+    array[:] = 7
+    ptr = view.ptr
+    buf.release_physical()
+    assert buf.physical_bytes == 0 and buf.committed_sizes == [0, 0]
+    assert view.ptr == ptr and buf.segment_view(1).ptr == ptr  # the address never moves
+    buf.resize_per_segment_(4096)  # no zero_new: fresh CPU pages are zero anyway
+    assert (array == 0).all()  # the old array works again, over new memory
+    torch = pytest.importorskip("torch")
+    assert torch.equal(view.to_torch(), torch.zeros(4096, dtype=torch.uint8))
+    array[:] = 3
+    assert ctypes.string_at(ptr, 4) == b"\x03" * 4
+    buf.free()
+
+
+def test_read_after_release_physical_faults_on_the_cpu():
+    result = run_python("""
+        import jaxbuf
+        buf = jaxbuf.ExtensibleTensor(2 << 20, device="cpu")
+        buf.resize_per_segment_(4096, zero_new=True)
+        array = buf.segment_view(0).to_numpy()
+        array[:] = 9
+        buf.release_physical()
+        print("released", flush=True)
+        print("READ", int(array[0]), flush=True)
+    """)
+    assert_segfault(result, "released")
+
+
+# -- use after free --------------------------------------------------------------------------
+USE_AFTER_FREE = """
+import ctypes, mmap
+import jaxbuf
+from jaxbuf.drivers import HostVmmDriver
+driver = HostVmmDriver(quarantine_bytes={quarantine})
+buf = jaxbuf.ExtensibleTensor(2 << 20, device="cpu", driver=driver)
+buf.resize_per_segment_(4096, zero_new=True)
+array = buf.segment_view(0).to_numpy()  # keeps the object alive, not its memory
+ptr = buf.base_ptr
+buf.free()
+# Another allocation asks for exactly that address (a hint, as any later mmap may land there).
+libc = ctypes.CDLL(None)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+other = libc.mmap(ptr, 4096, mmap.PROT_READ | mmap.PROT_WRITE,
+                  mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+ctypes.memset(other, 0x5A, 4096)
+print("reused" if other == ptr else "elsewhere", flush=True)
+print("READ", int(array[0]), flush=True)
+"""
+
+
+def test_view_used_after_free_faults_instead_of_reading_another_allocation():
+    result = run_python(USE_AFTER_FREE.format(quarantine=64 << 30))
+    assert_segfault(result, "elsewhere")
+
+
+def test_without_the_quarantine_a_stale_view_reads_another_allocation():
+    """Why the quarantine exists: with it off, the stale read returns someone else's bytes."""
+    result = run_python(USE_AFTER_FREE.format(quarantine=0))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reused" in result.stdout and "READ 90" in result.stdout, result.stdout
+
+
+def _mapped(ptr: int) -> bool:
+    """Whether some mapping of this process contains ``ptr``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(part, 16) for part in line.split()[0].split("-"))
+            if start <= ptr < end:
+                return True
+    return False
+
+
+def test_quarantine_is_bounded_fifo():
+    size = 16 * mmap.PAGESIZE
+    driver = HostVmmDriver(quarantine_bytes=3 * size, quarantine_ranges=100)
+    ptrs = [driver.reserve(size) for _ in range(5)]
+    for ptr in ptrs:
+        driver.free_reserved(ptr, size)
+    assert driver.quarantined == (3, 3 * size)
+    assert [_mapped(ptr) for ptr in ptrs] == [False, False, True, True, True]  # oldest go first
+
+    by_count = HostVmmDriver(quarantine_bytes=1 << 40, quarantine_ranges=2)
+    ptrs = [by_count.reserve(size) for _ in range(4)]
+    for ptr in ptrs:
+        by_count.free_reserved(ptr, size)
+    assert by_count.quarantined == (2, 2 * size)
+    assert [_mapped(ptr) for ptr in ptrs] == [False, False, True, True]
+
+    big = driver.reserve(4 * size)  # larger than the whole budget: unmapped at once
+    driver.free_reserved(big, 4 * size)
+    assert driver.quarantined == (3, 3 * size) and not _mapped(big)
+
+    driver.flush_quarantine()
+    by_count.flush_quarantine()
+    assert driver.quarantined == (0, 0) == by_count.quarantined
+    assert not any(_mapped(ptr) for ptr in ptrs)
+
+
+def test_quarantine_drops_pages_still_mapped():
+    """free_reserved over a range with a chunk still mapped leaves only PROT_NONE behind."""
+    driver = HostVmmDriver()
+    base = driver.reserve(mmap.PAGESIZE)
+    chunk = driver.create(mmap.PAGESIZE, 0)
+    driver.map(base, mmap.PAGESIZE, chunk)
+    driver.memset(base, 0xEE, mmap.PAGESIZE, 0)
+    driver.release(chunk)
+    driver.free_reserved(base, mmap.PAGESIZE)
+    with open("/proc/self/maps") as maps:
+        entry = next(line for line in maps if int(line.split("-")[0], 16) <= base
+                     < int(line.split()[0].split("-")[1], 16))
+    assert entry.split()[1] == "---p", entry
+    driver.flush_quarantine()
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, None, True])
+def test_quarantine_settings_are_validated(value):
+    with pytest.raises(ValueError, match=repr(value).replace("(", r"\(")):
+        HostVmmDriver(quarantine_bytes=value)
