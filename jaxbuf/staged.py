@@ -570,25 +570,33 @@ class StagedWriteTensor:
 
     def free(self) -> None:
         """Wait for applied writes, release the target and the staging slots. Idempotent."""
-        if self._freed:
+        if not self._freed:
+            self._freed = True
+            self.clear_staged_writes()
+            self.num_rows = 0  # every later stage_write fails its bounds check (and says why)
+            if self._stager is not None:
+                self._stager.close()
+            self._group_entry = None
+        elif self._writer is None and self._target is None:
             return
-        self._freed = True
-        self.clear_staged_writes()
-        self.num_rows = 0  # every later stage_write fails its bounds check (and says why)
-        if self._stager is not None:
-            self._stager.close()
-        self._group_entry = None
-        applied, self._applied = self._applied, None
+        # Each part is dropped only once it is freed: after a driver error, free() again
+        # frees what is left.
         try:
+            applied = self._applied
             if applied is not None:
                 applied.wait()
+                self._applied = None
         finally:
-            writer, self._writer = self._writer, None
-            if writer is not None:
-                writer.close()
-            target, self._target = self._target, None
-            if target is not None:
-                target.free()
+            try:
+                writer = self._writer
+                if writer is not None:
+                    writer.close()
+                    self._writer = None
+            finally:
+                target = self._target
+                if target is not None:
+                    target.free()
+                    self._target = None
 
     close = free
 
@@ -886,21 +894,34 @@ class FusedStagedWriter:
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for in-flight applies, free the staging slots. Idempotent."""
-        if self._closed:
+        """Wait for in-flight applies, free the staging slots. Idempotent.
+
+        Best effort: a slot whose free fails (a driver error) stays, and the next
+        ``close()`` retries it; the first error is raised, the others attached as notes."""
+        slots, buffers, events = self._slots, self._segment_buffers, self._slot_events
+        if self._closed and not any(x is not None for x in (*slots, *buffers, *events)):
             return
         self._closed = True
-        events, self._slot_events = self._slot_events, [None] * len(self._slot_events)
-        for event in events:
+        for i, event in enumerate(events):
             if event is not None:
                 event.wait()
-        slots, self._slots = self._slots, [None] * len(self._slots)
+                events[i] = None
         self._slot_i64 = [None] * len(slots)
         self._slot_capacities = [0] * len(slots)
-        buffers, self._segment_buffers = self._segment_buffers, [None] * len(slots)
-        for slot in (*slots, *buffers):
-            if slot is not None:
-                slot.free()
+        errors: list[BaseException] = []
+        for held in (slots, buffers):
+            for i, slot in enumerate(held):
+                if slot is not None:
+                    try:
+                        slot.free()
+                    except Exception as error:  # noqa: BLE001 - re-raised below
+                        errors.append(error)
+                        continue
+                    held[i] = None
+        if errors:
+            for other in errors[1:]:
+                errors[0].add_note(f"FusedStagedWriter.close: also failed: {other!r}")
+            raise errors[0]
 
     free = close
 

@@ -75,7 +75,13 @@ def _as_shape(size: Any) -> tuple[int, ...]:
 
 def _resolve(device: Any, driver: VmmDriver | None) -> tuple[Device, VmmDriver]:
     device = default_device() if device is None else as_device(device)
-    return device, get_vmm_driver(device) if driver is None else driver
+    if driver is None:
+        return device, get_vmm_driver(device)
+    if not isinstance(driver, VmmDriver):
+        raise TypeError(f"driver must be a VmmDriver, got {driver!r}")
+    if driver.platform != device.platform:
+        raise ValueError(f"device {device} does not match the driver's platform {driver.platform!r}")
+    return device, driver
 
 
 # -- the probe ----------------------------------------------------------------------------
@@ -162,13 +168,21 @@ class _PinnedHostMemory:
         self.device = device
 
     def free(self) -> None:
-        ptr, self.host_ptr = self.host_ptr, 0
+        # The pointer is dropped only once host_free succeeded, so a retry frees it.
+        ptr = self.host_ptr
         if ptr:
             self._driver.host_free(ptr)
+            self.host_ptr = 0
 
     def __del__(self) -> None:
         if getattr(self, "host_ptr", 0) and not sys.is_finalizing():
-            self.free()
+            try:
+                self.free()
+            except Exception as error:  # noqa: BLE001 - no caller to raise to: reported
+                import warnings
+
+                warnings.warn(f"jaxbuf: freeing pinned host memory during garbage collection "
+                              f"failed (it leaks): {error!r}", ResourceWarning, stacklevel=2)
 
 
 class _BufferBase:
@@ -189,6 +203,8 @@ class _BufferBase:
         self.device = device
         self._row_bytes = math.prod(shape[1:]) * dtype.itemsize
         self.nbytes = shape[0] * self._row_bytes
+        if self.nbytes >= 1 << 63:
+            raise ValueError(f"size {shape} of {dtype} is {self.nbytes} bytes, past 2**63")
         self._arrays: dict[str, Any] = {}
         # framework -> {rows: array over the first rows of the device memory}
         self._caches: dict[str, dict[int, Any]] = {name: {} for name in _FRAMEWORKS}
@@ -381,10 +397,10 @@ class UvaBuffer(_BufferBase):
         memory = self._memory
         if self._closed or memory is None:
             return
+        memory.free()  # a driver failure leaves the buffer open and usable; retry frees it
         self._closed = True
         self._drop_arrays()
         self.np = np.empty((0, *self.shape[1:]), self.dtype.numpy)
-        memory.free()
 
 
 
@@ -413,8 +429,14 @@ class NonUvaBuffer(_BufferBase):
         self._driver = driver
         self.np = np.zeros(shape, dtype.numpy)
         allocation = max(self.nbytes, 1)
-        self._device_memory = ExtensibleTensor(allocation, device=device, driver=driver)
-        self._device_memory.resize_per_segment_(allocation, zero_new=True)
+        memory = ExtensibleTensor(allocation, device=device, driver=driver)
+        try:
+            memory.resize_per_segment_(allocation, zero_new=True)
+        except BaseException:
+            # Freed now, not when the error (whose traceback holds this object) goes.
+            memory.free()
+            raise
+        self._device_memory = memory
         # Views are owned by this buffer: it carries the ready event of the last copy.
         self._device_view = BufferView(self._device_memory.base_ptr, allocation, dtype, shape,
                                        device, self, driver.dlpack_device_type)  # fmt: skip
@@ -458,12 +480,14 @@ class NonUvaBuffer(_BufferBase):
     def free(self) -> None:
         """Release the device memory. Safe to call more than once."""
         memory = self._device_memory
-        if self._closed or memory is None:
+        if memory is None:
             return
-        self._closed = True
-        self._drop_arrays()
-        self._set_ready_event(None)
-        memory.free()
+        if not self._closed:
+            # Closed first: a failing free may already have unmapped the device memory.
+            self._closed = True
+            self._drop_arrays()
+            self._set_ready_event(None)
+        memory.free()  # idempotent; after a driver failure a retry frees what is left
 
     def __del__(self) -> None:
         if sys.is_finalizing() or getattr(self, "_device_memory", None) is None:
@@ -538,8 +562,9 @@ class UvaBufferPool:
         shape, dtype = _as_shape(size), canonical_dtype(dtype)
         if max_concurrency is None:
             max_concurrency = DEFAULT_MAX_CONCURRENCY
-        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int):
+        if isinstance(max_concurrency, bool) or not hasattr(max_concurrency, "__index__"):
             raise TypeError(f"max_concurrency must be an int or None, got {max_concurrency!r}")
+        max_concurrency = operator.index(max_concurrency)
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
         framework = "view" if framework is None else framework
@@ -774,8 +799,10 @@ class UvaBufferPool:
         return self._curr
 
     def close(self) -> None:
-        """Free every slot (waiting for guarded readers first). Safe to call twice."""
-        slots, self._slots = self._slots, []
+        """Free every slot (waiting for guarded readers first). Safe to call twice.
+
+        Best effort: a slot whose free fails stays in the pool (closed) and the next
+        ``close()`` retries it; the first error is raised, the others attached as notes."""
         self._closed = True
         # Every length now exceeds every capacity, so the hot path reaches _grow's check.
         self._capacities = [-1] * len(getattr(self, "_capacities", ()))
@@ -785,8 +812,19 @@ class UvaBufferPool:
             if event is not None:
                 self._driver.event_synchronize(event)
                 self._set_event(index, None)
-        for slot in slots:
-            slot.free()
+        errors: list[BaseException] = []
+        remaining = []
+        for slot in self._slots:
+            try:
+                slot.free()
+            except Exception as error:  # noqa: BLE001 - re-raised below
+                errors.append(error)
+                remaining.append(slot)
+        self._slots = remaining
+        if errors:
+            for other in errors[1:]:
+                errors[0].add_note(f"UvaBufferPool.close: also failed: {other!r}")
+            raise errors[0]
 
     free = close
 
@@ -824,10 +862,11 @@ class UvaBackedTensor:
     ) -> None:
         shape, dtype = _as_shape(size), canonical_dtype(dtype)
         self.dtype = dtype
-        self.np = np.zeros(shape, dtype.numpy)
         self._cpu = None
+        # The pool first: it validates everything (a huge size included) before allocating.
         self.pool = UvaBufferPool(shape, dtype, max_concurrency, device, buffer_cls=buffer_cls,
                                   framework=framework, guarded=guarded, driver=driver)
+        self.np = np.zeros(shape, dtype.numpy)
         self.max_concurrency = self.pool.max_concurrency
         self.gpu = self.pool.copy_to_uva(self.np)
 
@@ -839,6 +878,11 @@ class UvaBackedTensor:
         return self._cpu
 
     def copy_to_uva(self, n: int | None = None, stream: Any = None) -> Any:
+        if n is not None:
+            if isinstance(n, bool) or not hasattr(n, "__index__"):
+                raise TypeError(f"n must be an int or None, got {n!r}")
+            if not 0 <= operator.index(n) <= len(self.np):
+                raise IndexError(f"n={n!r} out of range for a tensor of {len(self.np)} rows")
         self.gpu = self.pool.copy_to_uva(self.np if n is None else self.np[:n], stream)
         return self.gpu
 

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Any
 
 import numpy as np
 import pytest
@@ -27,157 +26,29 @@ from jaxbuf.devices import Device, as_device
 from jaxbuf.drivers import DriverError, get_vmm_driver
 from jaxbuf.drivers.base import K_DL_CPU, VmmDriver
 from jaxbuf.extensible import ExtensibleTensor, _VirtualBuffer, granule_size
+from jaxbuf.testing import FaultInjectingDriver
 
 MiB = 1 << 20
 G = 2 * MiB  # the granule on every supported driver (the floor)
 
 
 # -- drivers for the tests ------------------------------------------------------------------
-class TrackingDriver(VmmDriver):
-    """Wraps a real driver: records handles, mappings and access; fails chosen calls.
+class TrackingDriver(FaultInjectingDriver):
+    """:class:`jaxbuf.testing.FaultInjectingDriver` under the names these tests use.
 
     ``arm("map", 2)`` makes the second ``map`` call from now on raise a ``DriverError``
     before reaching the wrapped driver (a failed call changes nothing, as the seam says).
+    Events are simulated on the CPU, so ``destroy_event`` bookkeeping is checked there too.
     """
 
     def __init__(self, inner: VmmDriver) -> None:
-        self.inner = inner
-        self.platform = inner.platform
-        self.dlpack_device_type = inner.dlpack_device_type
-        self.dlpack_host_device_type = inner.dlpack_host_device_type
-        self.created = 0
-        self.released = 0
-        self.live_handles: set[int] = set()
-        self.mapped: dict[int, list] = {}  # ptr -> [size, handle, accessible]
-        self.violations: list[str] = []
-        self.calls: dict[str, int] = {}
-        self._faults: dict[str, int] = {}
-        self.live_events: set[int] = set()
+        super().__init__(inner, simulate_events=True)
 
-    # fault injection
     def arm(self, call: str, nth: int = 1) -> None:
-        self._faults[call] = self.calls.get(call, 0) + nth
+        self.fail_on(call, nth)
 
-    def disarm(self) -> None:
-        self._faults.clear()
-
-    def _enter(self, call: str, **details: Any) -> None:
-        self.calls[call] = self.calls.get(call, 0) + 1
-        if self._faults.get(call) == self.calls[call]:
-            del self._faults[call]
-            raise DriverError(call, "INJECTED_FAULT", **details)
-
-    # checks
     def check_consistent(self) -> None:
-        assert not self.violations, self.violations
-        assert self.created - self.released == len(self.live_handles)
-        for ptr, (size, handle, accessible) in self.mapped.items():
-            assert accessible, f"chunk at {ptr:#x} ({size} bytes) mapped without access"
-            assert id(handle) in self.live_handles, f"mapped chunk at {ptr:#x} was released"
-
-    # the seam
-    def unavailable_reason(self):
-        return self.inner.unavailable_reason()
-
-    def device_count(self):
-        return self.inner.device_count()
-
-    def ensure_context(self, device_index):
-        self.inner.ensure_context(device_index)
-
-    def granularity(self, device_index):
-        return self.inner.granularity(device_index)
-
-    def reserve(self, size, alignment=0):
-        self._enter("reserve", size=size)
-        return self.inner.reserve(size, alignment)
-
-    def free_reserved(self, ptr, size):
-        self._enter("free_reserved", size=size)
-        if any(ptr <= p < ptr + size for p in self.mapped):
-            self.violations.append(f"free_reserved({ptr:#x}) with chunks still mapped")
-        self.inner.free_reserved(ptr, size)
-
-    def create(self, size, device_index):
-        self._enter("create", size=size)
-        handle = self.inner.create(size, device_index)
-        self.created += 1
-        self.live_handles.add(id(handle))
-        return handle
-
-    def release(self, handle):
-        self._enter("release")
-        if id(handle) not in self.live_handles:
-            self.violations.append("release of an unknown or released handle")
-        self.inner.release(handle)
-        self.released += 1
-        self.live_handles.discard(id(handle))
-
-    def map(self, ptr, size, handle):
-        self._enter("map", size=size)
-        for p, (s, _, _) in self.mapped.items():
-            if p < ptr + size and ptr < p + s:
-                self.violations.append(f"map over a mapped chunk at {p:#x}")
-        self.inner.map(ptr, size, handle)
-        self.mapped[ptr] = [size, handle, False]
-
-    def unmap(self, ptr, size):
-        self._enter("unmap", size=size)
-        if ptr not in self.mapped or self.mapped[ptr][0] != size:
-            self.violations.append(f"unmap({ptr:#x}, {size}) is not one whole chunk")
-        self.inner.unmap(ptr, size)
-        self.mapped.pop(ptr, None)
-
-    def set_access(self, ptr, size, device_index):
-        self._enter("set_access", size=size)
-        # CUDA: the range must consist of whole mapped chunks, with no hole.
-        cursor, covered = ptr, []
-        while cursor < ptr + size:
-            if cursor not in self.mapped:
-                self.violations.append(f"set_access over [{ptr:#x}, +{size}) hits {cursor:#x}")
-                break
-            covered.append(cursor)
-            cursor += self.mapped[cursor][0]
-        if cursor != ptr + size:
-            self.violations.append(f"set_access range [{ptr:#x}, +{size}) splits a chunk")
-        self.inner.set_access(ptr, size, device_index)
-        for p in covered:
-            self.mapped[p][2] = True
-
-    def memset(self, ptr, value, size, device_index):
-        self._enter("memset", size=size)
-        self.inner.memset(ptr, value, size, device_index)
-
-    def copy(self, dst, src, size, device_index):
-        self.inner.copy(dst, src, size, device_index)
-
-    def synchronize(self, device_index):
-        self._enter("synchronize")
-        self.inner.synchronize(device_index)
-
-    def record_ready_event(self, device_index):
-        self._enter("record_ready_event")
-        event = self.inner.record_ready_event(device_index)
-        if event is None:
-            event = object()  # the CPU has none; pretend, to check destroy_event
-        self.live_events.add(id(event))
-        return event
-
-    def stream_wait_event(self, stream, event, device_index):
-        pass
-
-    def destroy_event(self, event):
-        if id(event) not in self.live_events:
-            self.violations.append("destroy_event of an unknown event")
-        self.live_events.discard(id(event))
-        if type(event) is not object:
-            self.inner.destroy_event(event)
-
-    def host_alloc(self, size, device_index):
-        return self.inner.host_alloc(size, device_index)
-
-    def host_free(self, host_ptr):
-        self.inner.host_free(host_ptr)
+        self.check_invariants()
 
 
 class FakeDriver(VmmDriver):
