@@ -29,6 +29,8 @@ __all__ = ["ExtensibleTensor", "granule_size"]
 # allocations (and mappings) small, and matches the large-page size on x86 and the
 # CUDA granularity on most GPUs.
 _MIN_GRANULARITY = 2 * 1024 * 1024
+# Sizes must fit DLPack's int64 shapes (and size_t, which ctypes would silently wrap).
+_MAX_BYTES = (1 << 63) - _MIN_GRANULARITY
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -89,6 +91,48 @@ def _resolve_device_and_driver(
     return device, driver
 
 
+def _parse_peer_specs(peers: Any, owner_platform: str | None) -> list[Device]:
+    """Device specs -> Devices, without touching a driver: a single spec or an iterable of
+    them; TypeError / ValueError naming a bad spec, a platform other than the owner's
+    (when known) or a duplicate."""
+    if isinstance(peers, (str, bytes)) or not isinstance(peers, Iterable):
+        peers = [peers]
+    parsed: list[Device] = []
+    for spec in peers:
+        peer = as_device(spec)
+        if owner_platform is not None and peer.platform != owner_platform:
+            raise ValueError(
+                f"peer device {peer} is not on the owner's platform {owner_platform!r}"
+            )
+        if peer in parsed:
+            raise ValueError(f"peer device {peer} is given twice")
+        parsed.append(peer)
+    return parsed
+
+
+def _check_peers(peers: list[Device], device: Device, driver: VmmDriver) -> None:
+    """Each peer is distinct from ``device``, exists, and can access its memory."""
+    count = driver.device_count()
+    for peer in peers:
+        if peer.platform != device.platform:
+            raise ValueError(
+                f"peer device {peer} is not on the owner's platform {device.platform!r}"
+            )
+        if peer == device:
+            raise ValueError(f"peer device {peer} is the owner device itself")
+        if not 0 <= peer.index < count:
+            raise ValueError(
+                f"peer device {peer} is out of range: {count} {device.platform} device(s)"
+                " available"
+            )
+    for peer in peers:
+        if not driver.can_access_peer(peer.index, device.index):
+            raise ValueError(
+                f"peer device {peer} cannot access memory on {device} (no peer-to-peer "
+                "support between them: cuDeviceCanAccessPeer says no)"
+            )
+
+
 def granule_size(device: Any = None, driver: VmmDriver | None = None) -> int:
     """Commit granule of ``device``: the driver granularity, floored at 2 MiB.
 
@@ -143,6 +187,17 @@ class _VirtualBuffer:
         # Set after a double fault left a chunk mapped that could not be unmapped.
         self._stranded: str | None = None
         self._freed = False
+        # Devices granted read/write on every committed run: the owner, then its peers.
+        # Every set_access goes through this tuple (see grant_access).
+        self.access_devices: tuple[int, ...] = (device_index,)
+        # Chunk identity for cross-process sharing (jaxbuf.sharing): offset -> a number
+        # never reused by this buffer, so an importer tells a recreated chunk from the old.
+        self._chunk_ids: dict[int, int] = {}
+        self._chunk_id_counter = itertools.count(1)
+        # Temporary reservations that defragment could not clean up (an unmap or a
+        # free_reserved failed): (ptr, size, [(ptr, size, handle) still mapped there]).
+        # release_physical retries them.
+        self._stray_reservations: list[tuple[int, int, list[tuple[int, int, Any]]]] = []
         driver.ensure_context(device_index)
         self.base_ptr = driver.reserve(self.reserved_size, granularity)
 
@@ -216,8 +271,8 @@ class _VirtualBuffer:
         # ranges made of whole chunks; a merged run of whole chunks satisfies both.
         run_start, run_end = self._committed.run_bounds(offset, size_end)
         try:
-            driver.set_access(
-                self.base_ptr + run_start, run_end - run_start, self.device_index
+            driver.set_access_many(
+                self.base_ptr + run_start, run_end - run_start, self.access_devices
             )
         except BaseException as error:
             if not self._unmap_and_release_noting(ptr, size, handle, error):
@@ -232,7 +287,12 @@ class _VirtualBuffer:
         self._insert_chunk((offset, size, handle))
         return offset, size, handle
 
+    def chunk_records(self) -> list[tuple[int, int, Any, int]]:
+        """``(offset, size, handle, chunk_id)`` of every mapped chunk, by offset."""
+        return [(o, n, h, self._chunk_ids[o]) for o, n, h in self._chunks]
+
     def _insert_chunk(self, chunk: tuple[int, int, Any]) -> None:
+        self._chunk_ids[chunk[0]] = next(self._chunk_id_counter)
         i = bisect_left(self._chunk_offsets, chunk[0])
         self._chunk_offsets.insert(i, chunk[0])
         self._chunks.insert(i, chunk)
@@ -243,6 +303,7 @@ class _VirtualBuffer:
         del self._chunk_offsets[i]
         _, size, _ = self._chunks.pop(i)
         self._physical_bytes -= size
+        self._chunk_ids.pop(offset, None)
 
     def _release_noting(self, handle: Any, error: BaseException) -> bool:
         """Release ``handle``; on failure note it on ``error`` and keep it for later."""
@@ -278,6 +339,212 @@ class _VirtualBuffer:
             self._committed.discard(offset, offset + size)
             self._remove_chunk(offset)
 
+    def grant_access(self, device_indices: tuple[int, ...]) -> None:
+        """Grant ``device_indices`` read/write on every committed run, then add them to
+        :attr:`access_devices` so that later commits grant them too.
+
+        On a driver failure :attr:`access_devices` is unchanged; runs granted before the
+        failure stay accessible to the new devices (access is only ever added, and no
+        recorded granule loses access).
+        """
+        self._check_alive()
+        if not device_indices:
+            return
+        driver = self._driver
+        driver.ensure_context(self.device_index)
+        # Runs are unions of whole chunks, as set_access requires.
+        for start, end in list(self._committed):
+            driver.set_access_many(self.base_ptr + start, end - start, device_indices)
+        self.access_devices = self.access_devices + tuple(device_indices)
+
+    # -- defragmenting (one chunk per span, for RDMA registration) ---------------------
+    def chunks_tiling(self, first: int, last: int) -> list[tuple[int, int, Any]]:
+        """The chunks that exactly tile ``[first, last)`` (granule-aligned, committed).
+
+        ValueError when a chunk crosses either end: it is shared with a neighbouring
+        span, so ``[first, last)`` cannot become one chunk of its own.
+        """
+        lo = bisect_left(self._chunk_offsets, first)
+        hi = bisect_left(self._chunk_offsets, last)
+        chunks = self._chunks[lo:hi]
+        cursor = first
+        for offset, size, _ in chunks:
+            if offset != cursor:
+                break
+            cursor += size
+        if not chunks or chunks[0][0] != first or cursor != last:
+            raise ValueError(
+                f"bytes [{first}, {last}) are not exactly covered by whole chunks: a chunk "
+                "is shared with a neighbouring segment"
+            )
+        return chunks
+
+    def defragment_span(self, first: int, last: int) -> bool:
+        """Replace the chunks tiling ``[first, last)`` by one chunk with the same bytes at
+        the same addresses. False when one chunk already covers it.
+
+        Steps: a new chunk is created and mapped at a temporary reservation, the bytes are
+        copied into it (``driver.copy``), the old chunks are moved out of the way into a
+        second temporary reservation (``driver.move_mapping``: the pages move, so a
+        rollback moves them back intact), the new chunk is moved to ``first`` and granted
+        access; only then are the old chunks unmapped and released.
+
+        All or nothing: a driver failure before the new chunk is granted access puts the
+        old chunks back (re-granted) and discards the new one. A failure while cleaning up
+        after success leaves the span defragmented; what could not be cleaned up is kept
+        for :meth:`release_physical` to retry, and the error is raised.
+        """
+        self._check_alive()
+        if self._stranded is not None:
+            raise RuntimeError(f"cannot defragment: {self._stranded}; call release_physical()")
+        old = self.chunks_tiling(first, last)
+        if len(old) == 1:
+            return False
+        driver, device_index, granularity = self._driver, self.device_index, self.granularity
+        size, base = last - first, self.base_ptr
+        # Pending work (a consumer's kernel, on the owner or a peer) may still write the
+        # old chunks.
+        for access_device in self.access_devices:
+            driver.synchronize(access_device)
+        driver.ensure_context(device_index)
+        new_tmp = driver.reserve(size, granularity)
+        handle: Any = None
+        new_at: int | None = None  # address the new chunk is mapped at
+        old_tmp: int | None = None
+        moved_out: list[tuple[int, int, Any]] = []
+        try:
+            handle = driver.create(size, device_index)
+            driver.map(new_tmp, size, handle)
+            new_at = new_tmp
+            driver.set_access(new_tmp, size, device_index)
+            driver.copy(new_tmp, base + first, size, device_index)
+            driver.synchronize(device_index)
+            old_tmp = driver.reserve(size, granularity)
+            for offset, chunk_size, old_handle in old:
+                driver.move_mapping(
+                    old_handle, base + offset, old_tmp + offset - first, chunk_size
+                )
+                moved_out.append((offset, chunk_size, old_handle))
+            driver.move_mapping(handle, new_tmp, base + first, size)
+            new_at = base + first
+            run_start, run_end = self._committed.run_bounds(first, last)
+            driver.set_access_many(
+                base + run_start, run_end - run_start, self.access_devices
+            )
+        except BaseException as error:
+            self._undo_defragment(
+                error, first, last, new_tmp, handle, new_at, old_tmp, moved_out
+            )
+            raise
+        # Committed: the bookkeeping now names the new chunk (the committed runs are
+        # unchanged), then the old chunks and the temporary reservations go.
+        for offset, _, _ in old:
+            self._remove_chunk(offset)
+        self._insert_chunk((first, size, handle))
+        errors = self._cleanup_temporary(
+            old_tmp, size, [(old_tmp + o - first, n, h) for o, n, h in old]
+        )
+        errors += self._cleanup_temporary(new_tmp, size, [])
+        if errors:
+            errors[0].add_note(
+                "defragment completed (the span is one chunk); cleaning up the old chunks "
+                "failed and is retried by release_physical()"
+            )
+            for other in errors[1:]:
+                errors[0].add_note(f"defragment cleanup: also failed: {other!r}")
+            raise errors[0]
+        return True
+
+    def _undo_defragment(
+        self,
+        error: BaseException,
+        first: int,
+        last: int,
+        new_tmp: int,
+        handle: Any,
+        new_at: int | None,
+        old_tmp: int | None,
+        moved_out: list[tuple[int, int, Any]],
+    ) -> None:
+        """Roll a failed :meth:`defragment_span` back; rollback failures become notes."""
+        driver, base, size = self._driver, self.base_ptr, last - first
+        if new_at == base + first:
+            try:
+                driver.move_mapping(handle, base + first, new_tmp, size)
+                new_at = new_tmp
+            except Exception as rollback_error:  # noqa: BLE001 - reported as a note
+                error.add_note(f"defragment rollback: moving the new chunk back failed: "
+                               f"{rollback_error!r}")  # fmt: skip
+                self._stranded = f"defragment could not restore bytes [{first}, {last})"
+                return
+        still_out: list[tuple[int, int, Any]] = []
+        for offset, chunk_size, old_handle in reversed(moved_out):
+            try:
+                driver.move_mapping(
+                    old_handle, old_tmp + offset - first, base + offset, chunk_size
+                )
+            except Exception as rollback_error:  # noqa: BLE001 - reported as a note
+                error.add_note(f"defragment rollback: moving a chunk back failed: "
+                               f"{rollback_error!r}")  # fmt: skip
+                still_out.append((old_tmp + offset - first, chunk_size, old_handle))
+        if still_out:
+            self._stranded = f"defragment could not restore bytes [{first}, {last})"
+        elif moved_out:
+            run_start, run_end = self._committed.run_bounds(first, last)
+            try:
+                driver.set_access_many(
+                    base + run_start, run_end - run_start, self.access_devices
+                )
+            except Exception as rollback_error:  # noqa: BLE001 - reported as a note
+                error.add_note(f"defragment rollback: re-granting access failed: "
+                               f"{rollback_error!r}")  # fmt: skip
+                self._stranded = f"bytes [{first}, {last}) may lack access after a rollback"
+        if old_tmp is not None:
+            for cleanup_error in self._cleanup_temporary(old_tmp, size, still_out):
+                error.add_note(f"defragment rollback: {cleanup_error!r}")
+        mapped_new = [(new_at, size, handle)] if new_at is not None else []
+        for cleanup_error in self._cleanup_temporary(new_tmp, size, mapped_new):
+            error.add_note(f"defragment rollback: {cleanup_error!r}")
+        if handle is not None and new_at is None:
+            self._release_noting(handle, error)
+
+    def _cleanup_temporary(
+        self, ptr: int, size: int, mapped: list[tuple[int, int, Any]]
+    ) -> list[BaseException]:
+        """Unmap and release the chunks ``mapped`` in the temporary reservation at ``ptr``,
+        then free it. What fails is kept in :attr:`_stray_reservations`; returns the
+        errors."""
+        errors: list[BaseException] = []
+        left: list[tuple[int, int, Any]] = []
+        for chunk_ptr, chunk_size, handle in mapped:
+            try:
+                self._driver.unmap(chunk_ptr, chunk_size)
+            except Exception as error:  # noqa: BLE001 - returned to the caller
+                errors.append(error)
+                left.append((chunk_ptr, chunk_size, handle))
+                continue
+            try:
+                self._driver.release(handle)
+            except Exception as error:  # noqa: BLE001 - returned to the caller
+                errors.append(error)
+                self._unreleased.append(handle)
+        if left:
+            self._stray_reservations.append((ptr, size, left))
+            return errors
+        try:
+            self._driver.free_reserved(ptr, size)
+        except Exception as error:  # noqa: BLE001 - returned to the caller
+            errors.append(error)
+            self._stray_reservations.append((ptr, size, []))
+        return errors
+
+    def _retry_stray_reservations(self) -> list[BaseException]:
+        stray, self._stray_reservations = self._stray_reservations, []
+        errors: list[BaseException] = []
+        for ptr, size, mapped in stray:
+            errors += self._cleanup_temporary(ptr, size, mapped)
+        return errors
+
     # -- releasing ------------------------------------------------------------------
     def release_physical(self) -> None:
         """Unmap and release every chunk, keeping the reservation.
@@ -289,11 +556,16 @@ class _VirtualBuffer:
             return
         driver = self._driver
         driver.ensure_context(self.device_index)
+        errors: list[BaseException] = self._retry_stray_reservations()
         if not self._chunks and not self._unreleased:
+            if errors:
+                raise errors[0]
             return
-        # Pending work (a memset, a consumer's kernel) may still touch the pages.
-        driver.synchronize(self.device_index)
-        errors: list[BaseException] = []
+        # Pending work (a memset, a consumer's kernel, on the owner or a peer device) may
+        # still touch the pages.
+        for device_index in self.access_devices:
+            driver.synchronize(device_index)
+        driver.ensure_context(self.device_index)
         still_mapped: list[tuple[int, int, Any]] = []
         unreleased, self._unreleased = self._unreleased, []
         for handle in unreleased:
@@ -317,6 +589,7 @@ class _VirtualBuffer:
                 self._unreleased.append(handle)
         self._chunks = []
         self._chunk_offsets = []
+        self._chunk_ids = {}
         self._physical_bytes = 0
         self._committed.clear()
         for chunk in still_mapped:
@@ -398,6 +671,10 @@ class ExtensibleTensor:
         Explicit positive segment sizes summing to ``max_num_bytes``.
     driver : VmmDriver, optional
         Default: ``jaxbuf.drivers.get_vmm_driver(device)``.
+    peer_devices : device spec or sequence of them, optional
+        Other devices of the same platform granted read/write access to every committed
+        run (now and after each grow); see :meth:`grant_access`. Each must exist, differ
+        from ``device`` and be able to access it (CUDA: ``cuDeviceCanAccessPeer``).
 
     Examples
     --------
@@ -420,11 +697,17 @@ class ExtensibleTensor:
         num_segments: int = 1,
         segment_capacities: Sequence[int] | None = None,
         driver: VmmDriver | None = None,
+        peer_devices: Any = (),
     ) -> None:
         self._buffer: _VirtualBuffer | None = None
+        self._peer_devices: tuple[Device, ...] = ()
         self._ready_event: Any = None
         # Validate everything before the first driver call.
         max_num_bytes = _as_size(max_num_bytes, "max_num_bytes")
+        if max_num_bytes >= _MAX_BYTES:
+            raise ValueError(
+                f"max_num_bytes must be below 2**63 (a DLPack shape is int64), got {max_num_bytes}"
+            )
         num_segments = _as_int(num_segments, "num_segments")
         if num_segments < 1:
             raise ValueError(f"num_segments must be positive, got {num_segments}")
@@ -451,7 +734,9 @@ class ExtensibleTensor:
                     f"segment_capacities sum to {sum(capacities)}, not "
                     f"max_num_bytes ({max_num_bytes})"
                 )
+        peers = _parse_peer_specs(peer_devices, None)
         self._device, self._driver = _resolve_device_and_driver(device, driver)
+        _check_peers(peers, self._device, self._driver)
 
         self._max_num_bytes = max_num_bytes
         self._segment_capacities = capacities
@@ -463,6 +748,10 @@ class ExtensibleTensor:
             self._driver,
             _granule_size(self._driver, self._device.index),
         )
+        if peers:
+            # Nothing is committed yet: this only records the peers for later commits.
+            self._buffer.grant_access(tuple(peer.index for peer in peers))
+            self._peer_devices = tuple(peers)
 
     # -- views ----------------------------------------------------------------------
     def _view(self, offset: int, nbytes: int) -> BufferView:
@@ -538,6 +827,30 @@ class ExtensibleTensor:
             self._set_ready_event(driver.record_ready_event(index))
         self._committed = new_sizes
 
+    # -- peer access ----------------------------------------------------------------
+    def grant_access(self, devices: Any) -> None:
+        """Grant other devices (one spec or a sequence) read/write access to every
+        committed run, and to every run committed later.
+
+        Devices that are already peers are skipped. All devices are validated before any
+        grant (same platform, not the owner, existing, peer-capable). On a driver failure
+        :attr:`peer_devices` is unchanged (runs granted before the failure stay readable
+        by the new devices; later grows do not grant them).
+        """
+        parsed = _parse_peer_specs(devices, self._device.platform)
+        new = [peer for peer in parsed if peer not in self._peer_devices]
+        _check_peers(new, self._device, self._driver)
+        buffer = self._live_buffer()
+        if not new:
+            return
+        buffer.grant_access(tuple(peer.index for peer in new))
+        self._peer_devices = self._peer_devices + tuple(new)
+
+    @property
+    def peer_devices(self) -> tuple[Device, ...]:
+        """Devices other than :attr:`device` granted access (in the order granted)."""
+        return self._peer_devices
+
     def _set_ready_event(self, event: Any) -> None:
         previous, self._ready_event = self._ready_event, event
         if previous is not None:
@@ -556,12 +869,26 @@ class ExtensibleTensor:
             self._committed = [0] * self.num_segments
 
     def free(self) -> None:
-        """Release the memory and the reservation. Safe to call more than once."""
+        """Release the memory and the reservation. Safe to call more than once.
+
+        Views (and arrays made from them) must not be used afterwards. On the CPU driver a
+        stale access faults (``SIGSEGV``) rather than reading another allocation: the freed
+        range stays reserved ``PROT_NONE`` in the driver's bounded quarantine (see
+        :class:`~jaxbuf.drivers.host.HostVmmDriver`). On CUDA the address may be reused.
+        After :meth:`release_physical` (not ``free``) views keep their address, touching
+        them faults until a grow commits memory again, and then they work (fresh CPU
+        memory reads zeros; CUDA memory is undefined without ``zero_new``).
+        """
         buffer = self._buffer
         if buffer is None or buffer.freed:
             return
-        buffer.free()
-        self._committed = [0] * self.num_segments
+        try:
+            buffer.free()
+        finally:
+            # As in release_physical: even a failed free may have unmapped chunks, so no
+            # committed size may claim them (a view would read unmapped memory). A retry
+            # frees what is left.
+            self._committed = [0] * self.num_segments
         self._set_ready_event(None)
 
     close = free
@@ -639,11 +966,62 @@ class ExtensibleTensor:
         checked = _as_size_list(sizes, "sizes")
         if len(checked) != self.num_segments:
             raise ValueError(f"expected {self.num_segments} sizes, got {len(checked)}")
+        for i, (size, capacity) in enumerate(zip(checked, self._segment_capacities)):
+            if size > capacity:
+                raise ValueError(
+                    f"sizes[{i}] = {size} exceeds the segment capacity {capacity}"
+                )
         buffer = self._live_buffer()
         return [
             buffer.chunk_containing(offset, size)
             for offset, size in zip(self._segment_offsets, checked)
         ]
+
+    def defragment(self) -> list[int]:
+        """Remap each segment's committed prefix as **one** driver allocation, keeping its
+        bytes and :attr:`base_ptr`, as RDMA registration requires (UCX, ibverbs with
+        dma-buf and GPUDirect register one allocation, not a region spanning several).
+
+        Afterwards ``segments_backed_by_one_chunk(committed_sizes)`` is True for every
+        committed segment. Returns the indices of the segments that were remapped (those
+        already in one chunk, or empty, are skipped). Views stay valid; the device is
+        synchronized first, and the call must not race consumers' kernels on the buffer.
+
+        Rule: a granule (:attr:`granularity`) is never split between chunks, so two
+        committed segments sharing a granule (a boundary that is not a granule multiple)
+        cannot each be one chunk: ValueError names them, before anything changes. Later
+        grows of a segment add chunks again; call ``defragment`` after the last grow.
+
+        Failure semantics: segment by segment. A driver failure rolls the failing segment
+        back (old chunks, bytes and access restored) and propagates; segments remapped
+        before it stay remapped. Peak extra memory is one segment's committed size.
+        """
+        buffer = self._live_buffer()
+        granularity = buffer.granularity
+        spans: list[tuple[int, int, int]] = []  # (segment, first, last)
+        for i, (offset, size) in enumerate(zip(self._segment_offsets, self._committed)):
+            if size == 0:
+                continue
+            first = offset // granularity * granularity
+            last = _round_up(offset + size, granularity)
+            if spans and spans[-1][2] > first:
+                previous = spans[-1][0]
+                raise ValueError(
+                    f"cannot defragment: segments {previous} and {i} share the granule at "
+                    f"byte offset {first} (granularity {granularity}), so they cannot be "
+                    "one chunk each; segment boundaries must be granule multiples"
+                )
+            spans.append((i, first, last))
+        for i, first, last in spans:  # validate every span before changing anything
+            try:
+                buffer.chunks_tiling(first, last)
+            except ValueError as error:
+                raise ValueError(f"cannot defragment segment {i}: {error}") from None
+        remapped = []
+        for i, first, last in spans:
+            if buffer.defragment_span(first, last):
+                remapped.append(i)
+        return remapped
 
     @property
     def granularity(self) -> int:

@@ -9,13 +9,15 @@ The model is CUDA's virtual memory management, which the CPU driver reproduces:
 * ``reserve`` takes address space with no memory behind it;
 * ``create`` makes one physical chunk (an opaque handle);
 * ``map`` places a chunk at an address inside a reservation, ``unmap`` removes it;
-* ``set_access`` makes mapped addresses readable and writable by a device;
+* ``set_access`` makes mapped addresses readable and writable by a device
+  (``set_access_many``: by the owner and its peers at once);
 * ``release`` destroys a chunk, ``free_reserved`` returns the address space.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any
 
 # DLPack device types (dlpack.h, DLDeviceType).
@@ -106,6 +108,69 @@ class VmmDriver(abc.ABC):
     @abc.abstractmethod
     def set_access(self, ptr: int, size: int, device_index: int) -> None:
         """Grant ``device_index`` read/write access to whole mapped chunks."""
+
+    def set_access_many(self, ptr: int, size: int, device_indices: Sequence[int]) -> None:
+        """Grant every device of ``device_indices`` (the owner first, then its peers)
+        read/write access to whole mapped chunks.
+
+        This default makes one :meth:`set_access` call per device, so a driver (or a test's
+        fault-injecting wrapper) that only implements ``set_access`` works unchanged; a
+        failure may leave earlier devices granted, which the caller's rollback (``unmap``)
+        undoes. The CUDA driver overrides it with one ``cuMemSetAccess`` call.
+        """
+        for device_index in device_indices:
+            self.set_access(ptr, size, device_index)
+
+    def can_access_peer(self, device_index: int, peer_index: int) -> bool:
+        """Whether ``device_index`` can read and write memory that lives on ``peer_index``
+        once granted (CUDA: ``cuDeviceCanAccessPeer(device_index, peer_index)``).
+
+        Default: only a device itself.
+        """
+        return device_index == peer_index
+
+    # -- sharing and moving chunks (optional) ----------------------------------------
+    def export_handle(self, handle: Any) -> int:
+        """Return a new POSIX file descriptor for chunk ``handle``, which the caller owns
+        (and closes). Another process turns it back into a chunk with :meth:`import_handle`.
+
+        The default raises ``DriverError(..., "NOT_SUPPORTED")``: a driver that can share
+        chunks across processes overrides it.
+        """
+        raise DriverError("export_handle", "NOT_SUPPORTED", driver=type(self).__name__)
+
+    def import_handle(self, fd: int, size: int, device_index: int) -> Any:
+        """Return a chunk handle for the ``size``-byte chunk behind ``fd`` (from
+        :meth:`export_handle`, possibly in another process), to be mapped with :meth:`map`
+        and, once unmapped, released with :meth:`release`.
+
+        The caller keeps ownership of ``fd`` (closes it; the handle does not need it).
+        The default raises ``DriverError(..., "NOT_SUPPORTED")``.
+        """
+        raise DriverError("import_handle", "NOT_SUPPORTED", driver=type(self).__name__)
+
+    def move_mapping(self, handle: Any, src_ptr: int, dst_ptr: int, size: int) -> None:
+        """Move chunk ``handle``'s mapping from ``src_ptr`` to ``dst_ptr``, keeping its bytes.
+
+        Contract: ``handle`` is mapped whole (``size`` bytes) at ``src_ptr``; ``[dst_ptr,
+        dst_ptr + size)`` lies inside a reservation and nothing is mapped there. On return
+        the chunk is mapped at ``dst_ptr`` and ``[src_ptr, src_ptr + size)`` is unmapped but
+        still reserved. Access at ``dst_ptr`` must be granted again with :meth:`set_access`
+        (CUDA grants none to a new mapping; the CPU keeps it). Raising means nothing changed.
+
+        The default maps ``handle`` a second time at ``dst_ptr``, then unmaps ``src_ptr``,
+        which is right for drivers whose chunks may be mapped at several addresses (CUDA).
+        The CPU driver, whose chunks are mapped once, overrides it (``mremap``).
+        """
+        self.map(dst_ptr, size, handle)
+        try:
+            self.unmap(src_ptr, size)
+        except BaseException as error:
+            try:
+                self.unmap(dst_ptr, size)
+            except Exception as rollback_error:  # noqa: BLE001 - reported as a note
+                error.add_note(f"move_mapping rollback: unmap failed too: {rollback_error!r}")
+            raise
 
     # -- work on the memory ---------------------------------------------------------
     @abc.abstractmethod

@@ -99,6 +99,8 @@ class CudaVmmDriver(VmmDriver):
     * Primary contexts are retained once per device and never released: they live as long
       as the process, as the runtime's own do.
     * The object holds no driver resources, so it needs no ``__del__``.
+    * Thread-safe: the one shared instance serves every thread (contexts are made current
+      per thread; retaining one is locked); callers serialize calls on the same allocation.
     """
 
     platform = "cuda"
@@ -116,8 +118,11 @@ class CudaVmmDriver(VmmDriver):
         self._granularities: dict[int, int] = {}
         # device index -> CUmemAllocationProp used by create (and granularity).
         self._allocation_props: dict[int, Any] = {}
-        # device index -> [CUmemAccessDesc], built once: set_access is on the append path.
-        self._access_descs: dict[int, list[Any]] = {}
+        # device indices (owner first, then peers) -> [CUmemAccessDesc], built once:
+        # set_access is on the append path.
+        self._access_descs: dict[tuple[int, ...], list[Any]] = {}
+        # (device, peer) -> cuDeviceCanAccessPeer(device, peer).
+        self._peer_access: dict[tuple[int, int], bool] = {}
         # host pointer -> device index of host_alloc, so host_free can pick the context.
         self._host_devices: dict[int, int] = {}
         self._confidential_computing_reason: Any = self._UNPROBED
@@ -309,23 +314,93 @@ class CudaVmmDriver(VmmDriver):
     def unmap(self, ptr: int, size: int) -> None:
         _check(_cu.cuMemUnmap(ptr, size), "cuMemUnmap", ptr=hex(ptr), size=size)
 
-    def set_access(self, ptr: int, size: int, device_index: int) -> None:
-        """``cuMemSetAccess`` read/write for ``device_index`` over whole mapped chunks."""
-        descs = self._access_descs.get(device_index)
-        if descs is None:
-            desc = _cu.CUmemAccessDesc()
-            desc.location.type = _cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            desc.location.id = device_index
-            desc.flags = _cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            descs = self._access_descs[device_index] = [desc]
+    def export_handle(self, handle: Any) -> int:
+        """``cuMemExportToShareableHandle`` as a POSIX file descriptor the caller owns.
+
+        The chunk must have been created exportable: :meth:`create` asks for
+        ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`` where the device supports it; otherwise
+        the driver reports ``CUDA_ERROR_INVALID_VALUE`` or ``CUDA_ERROR_NOT_SUPPORTED``."""
+        fd = _check(
+            _cu.cuMemExportToShareableHandle(
+                handle, _cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+            ),
+            "cuMemExportToShareableHandle",
+            handle=int(handle),
+        )
+        return int(fd)
+
+    def import_handle(self, fd: int, size: int, device_index: int) -> Any:
+        """``cuMemImportFromShareableHandle`` of a POSIX descriptor, in ``device_index``'s
+        context (the chunk stays on the device that created it). The caller keeps ``fd``:
+        the import takes its own reference to the allocation."""
         self.ensure_context(device_index)
-        _check(
-            _cu.cuMemSetAccess(ptr, size, descs, 1),
-            "cuMemSetAccess",
-            ptr=hex(ptr),
+        # cuda.bindings passes an int osHandle as the void* value itself, which is how
+        # the driver wants a POSIX descriptor: (void *)(uintptr_t)fd.
+        return _check(
+            _cu.cuMemImportFromShareableHandle(
+                fd, _cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            ),
+            "cuMemImportFromShareableHandle",
+            fd=fd,
             size=size,
             device=device_index,
         )
+
+    def set_access(self, ptr: int, size: int, device_index: int) -> None:
+        """``cuMemSetAccess`` read/write for ``device_index`` over whole mapped chunks."""
+        self.set_access_many(ptr, size, (device_index,))
+
+    def set_access_many(self, ptr: int, size: int, device_indices: Any) -> None:
+        """One ``cuMemSetAccess`` granting read/write to every device of
+        ``device_indices`` (an array of ``CUmemAccessDesc``, cached per device tuple).
+
+        The first device's primary context is made current (the owner's, by convention).
+        Peers must be able to access the owner (:meth:`can_access_peer`); the driver
+        refuses a device that cannot (``CUDA_ERROR_INVALID_DEVICE``).
+        """
+        key = tuple(dict.fromkeys(int(index) for index in device_indices))
+        if not key:
+            raise ValueError("set_access_many needs at least one device index")
+        descs = self._access_descs.get(key)
+        if descs is None:
+            descs = []
+            for index in key:
+                desc = _cu.CUmemAccessDesc()
+                desc.location.type = _cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                desc.location.id = index
+                desc.flags = _cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                descs.append(desc)
+            self._access_descs[key] = descs
+        self.ensure_context(key[0])
+        devices: dict[str, Any] = (
+            {"device": key[0]} if len(key) == 1 else {"devices": list(key)}
+        )
+        _check(
+            _cu.cuMemSetAccess(ptr, size, descs, len(descs)),
+            "cuMemSetAccess",
+            ptr=hex(ptr),
+            size=size,
+            **devices,
+        )
+
+    def can_access_peer(self, device_index: int, peer_index: int) -> bool:
+        """``cuDeviceCanAccessPeer(device_index, peer_index)``: whether ``device_index``
+        can access memory that lives on ``peer_index``. Cached per ordered pair."""
+        if device_index == peer_index:
+            return True
+        key = (device_index, peer_index)
+        allowed = self._peer_access.get(key)
+        if allowed is None:
+            allowed = bool(
+                _check(
+                    _cu.cuDeviceCanAccessPeer(device_index, peer_index),
+                    "cuDeviceCanAccessPeer",
+                    device=device_index,
+                    peer=peer_index,
+                )
+            )
+            self._peer_access[key] = allowed
+        return allowed
 
     # -- work on the memory ---------------------------------------------------------
     def memset(self, ptr: int, value: int, size: int, device_index: int) -> None:
@@ -442,12 +517,18 @@ class CudaVmmDriver(VmmDriver):
         return host_ptr, int(device_ptr)
 
     def host_free(self, host_ptr: int) -> None:
-        device_index = self._host_devices.get(host_ptr)
-        if device_index is not None:
-            # cuMemFreeHost needs a context; the caller's thread may have none.
-            self.ensure_context(device_index)
-        _check(_cu.cuMemFreeHost(host_ptr), "cuMemFreeHost", host_ptr=hex(host_ptr))
-        self._host_devices.pop(host_ptr, None)
+        # Forget the block *before* freeing it: once freed, another thread's host_alloc may
+        # get the same address, and its record must not be dropped by this call.
+        device_index = self._host_devices.pop(host_ptr, None)
+        try:
+            if device_index is not None:
+                # cuMemFreeHost needs a context; the caller's thread may have none.
+                self.ensure_context(device_index)
+            _check(_cu.cuMemFreeHost(host_ptr), "cuMemFreeHost", host_ptr=hex(host_ptr))
+        except BaseException:
+            if device_index is not None:
+                self._host_devices[host_ptr] = device_index  # not freed: still ours
+            raise
 
 
 def _release_framework_caches() -> bool:
