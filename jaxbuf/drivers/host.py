@@ -107,9 +107,11 @@ class HostChunk:
 
     States: *created* (``fd`` open) -> *mapped* (``fd`` closed, ``fd == -1``; the mapping
     now owns the pages; ``ptr`` is its address, kept current by ``move_mapping``, so that
-    ``export_handle`` can reopen the file through ``/proc/self/map_files``) -> *released*. A chunk can be mapped **once**: closing the descriptor
-    at map time keeps the process at zero open descriptors per mapped chunk, and the pages
-    live exactly as long as the mapping (``unmap`` frees them). :meth:`HostVmmDriver.release`
+    ``export_handle`` can reopen the file through ``/proc/self/map_files``) -> *released*.
+    A chunk can be mapped **once**: closing the descriptor at map time keeps the process at
+    zero open descriptors per mapped chunk, and the pages live exactly as long as the
+    mapping (``unmap`` frees them; a descriptor exported to another process, or that
+    process's mapping of it, keeps them alive there). :meth:`HostVmmDriver.release`
     may come before or after ``unmap``, as with ``cuMemRelease``.
     """
 
@@ -432,11 +434,16 @@ class HostVmmDriver(VmmDriver):
         return ptr, ptr
 
     def host_free(self, host_ptr: int) -> None:
-        size = self._host_allocations.get(host_ptr)
+        # Forget the block *before* munmap: once unmapped, another thread's host_alloc may
+        # get the same address, and its record must not be deleted by this call.
+        size = self._host_allocations.pop(host_ptr, None)
         if size is None:
             raise DriverError("munmap", "EINVAL", ptr=hex(host_ptr), state="not from host_alloc")
-        _munmap(host_ptr, size)
-        del self._host_allocations[host_ptr]
+        try:
+            _munmap(host_ptr, size)
+        except DriverError:
+            self._host_allocations[host_ptr] = size  # still mapped: still ours
+            raise
 
 
 def _check_device(call: str, device_index: int) -> None:
