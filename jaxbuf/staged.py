@@ -778,9 +778,12 @@ class FusedStagedWriter:
         if serial:
             segments, num_segments = self._row_segments(i, num_groups, num_writes, event)
         if self._is_cuda:
+            driver, index = self._driver, self.device.index
+            # The launch needs the device's context current in this thread (a fresh thread
+            # has none); one cuCtxGetCurrent when it already is.
+            driver.ensure_context(index)
             raw_stream = _raw_stream(stream, self.device)
             dlpack_stream = raw_stream or 1  # DLPack and CUDA agree on 1 (legacy) and 2
-            driver, index = self._driver, self.device.index
             # A tensor last written on another stream: order this launch after those writes.
             for t in tensors:
                 applied = t._applied

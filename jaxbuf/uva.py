@@ -637,13 +637,21 @@ class UvaBufferPool:
         """
         if out is not None:
             if _frameworks.is_torch_tensor(out):
+                self._check_out_device(out.device, out)
                 return _frameworks.torch_copy(out, self._copy_as("torch", x, stream))
             if _frameworks.is_jax_array(out):
+                self._check_out_device(next(iter(out.devices())), out)
                 return self._copy_into_jax(x, out, stream)
             raise TypeError(f"out must be a torch tensor or a JAX array, got {type(out).__name__}")
         if self.framework == "jax":
             return _frameworks.jax_copy(self.copy_to_uva(x, stream))
         return _frameworks.torch_clone(self._copy_as("torch", x, stream))
+
+    def _check_out_device(self, framework_device: Any, out: Any) -> None:
+        """``out`` must live on the pool's device: checked before any slot is written."""
+        device = as_device(framework_device)
+        if device != self.device:
+            raise ValueError(f"out is on {device}, but this pool copies to {self.device}")
 
     def _write(self, x: Any, stream: Any) -> int:
         """Validate ``x``, take the next slot (growing it), copy ``x`` into its host memory.
