@@ -185,8 +185,9 @@ def import_latency(device: Any, quick: bool) -> Iterator[Row]:
                     imported,
                     "re-send the bytes through the socket (copy)",
                     copied,
-                    notes="second process; recv -> usable view; CPU descriptors reopened "
-                    "through /proc/self/map_files",
+                    notes="second process; recv -> usable view"
+                    + ("" if device.is_cuda else
+                       "; CPU descriptors reopened through /proc/self/map_files"),
                     params={"chunks": chunks, "chunk_bytes": chunk, "size_bytes": nbytes,
                             "rounds": rounds - 1},  # fmt: skip
                 )
