@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import itertools
 import operator
-import sys
-import warnings
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jaxbuf import drivers as _drivers
 from jaxbuf._intervals import IntervalSet
+from jaxbuf._lifetime import release_when_collected
 from jaxbuf.devices import Device, as_device, default_device
 from jaxbuf.drivers.base import VmmDriver
 from jaxbuf.dtypes import uint8
@@ -621,23 +620,9 @@ class _VirtualBuffer:
         if self._freed:
             raise RuntimeError("the ExtensibleTensor has been freed")
 
-    def __del__(
-        self, _is_finalizing: Any = sys.is_finalizing, _warn: Any = warnings.warn
-    ) -> None:
-        # Bound as defaults: module globals may be gone at interpreter exit. Once the
-        # interpreter is finalizing, the process returns its mappings itself, and the
-        # platform runtime may already be torn down (a driver call can abort there).
-        if _is_finalizing() or not getattr(self, "base_ptr", 0):
-            return
-        try:
-            self.free()
-        except Exception as error:  # noqa: BLE001 - reported, never hidden
-            _warn(
-                f"jaxbuf: freeing an ExtensibleTensor during garbage collection "
-                f"failed: {error!r}",
-                ResourceWarning,
-                stacklevel=2,
-            )
+    def __del__(self, _release: Any = release_when_collected) -> None:
+        if getattr(self, "base_ptr", 0):
+            _release(self.free, "an ExtensibleTensor")
 
 
 class ExtensibleTensor:

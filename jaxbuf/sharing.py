@@ -49,12 +49,12 @@ import os
 import secrets
 import socket
 import struct
-import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from jaxbuf._intervals import IntervalSet
+from jaxbuf._lifetime import release_when_collected
 from jaxbuf.devices import Device, as_device
 from jaxbuf.drivers import get_vmm_driver
 from jaxbuf.drivers.base import VmmDriver
@@ -497,17 +497,9 @@ class ImportedBuffer:
         if not self.base_ptr:
             raise RuntimeError("the ImportedBuffer is closed")
 
-    def __del__(
-        self, _is_finalizing: Any = sys.is_finalizing, _warn: Any = warnings.warn
-    ) -> None:
-        # As _VirtualBuffer.__del__: at interpreter exit the process returns its mappings.
-        if _is_finalizing() or not getattr(self, "base_ptr", 0):
-            return
-        try:
-            self.close()
-        except Exception as error:  # noqa: BLE001 - reported, never hidden
-            _warn(f"jaxbuf: closing an ImportedBuffer during garbage collection failed: "
-                  f"{error!r}", ResourceWarning, stacklevel=2)  # fmt: skip
+    def __del__(self, _release: Any = release_when_collected) -> None:
+        if getattr(self, "base_ptr", 0):
+            _release(self.close, "an ImportedBuffer")
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"committed={self._committed}"

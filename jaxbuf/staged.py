@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from . import _frameworks
+from ._lifetime import release_when_collected
 from .devices import Device, as_device, default_device
 from .drivers import get_vmm_driver
 from .drivers.base import VmmDriver
@@ -295,10 +296,10 @@ class _AppliedEvent:
         if not self._driver.event_query(self.handle):
             self._driver.event_synchronize(self.handle)
 
-    def __del__(self) -> None:
+    def __del__(self, _release: Any = release_when_collected) -> None:
         handle, self.handle = self.handle, None
-        if handle is not None and not sys.is_finalizing():
-            self._driver.destroy_event(handle)
+        if handle is not None:
+            _release(lambda: self._driver.destroy_event(handle), "a CUDA event")
 
 
 # -- the tensor ------------------------------------------------------------------------------
@@ -610,9 +611,9 @@ class StagedWriteTensor:
     def __exit__(self, *exc_info: object) -> None:
         self.free()
 
-    def __del__(self) -> None:
-        if not getattr(self, "_freed", True) and not sys.is_finalizing():
-            self.free()
+    def __del__(self, _release: Any = release_when_collected) -> None:
+        if not getattr(self, "_freed", True):
+            _release(self.free, "a StagedWriteTensor")
 
     def __repr__(self) -> str:
         state = ", freed" if self._freed else f", staged={self.num_staged_writes}"
@@ -934,9 +935,9 @@ class FusedStagedWriter:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True) and not sys.is_finalizing():
-            self.close()
+    def __del__(self, _release: Any = release_when_collected) -> None:
+        if not getattr(self, "_closed", True):
+            _release(self.close, "a FusedStagedWriter")
 
 
 def _plan(tensors: Sequence[StagedWriteTensor], staged_bytes: Sequence[int],

@@ -28,12 +28,12 @@ import functools
 import logging
 import math
 import operator
-import sys
 from typing import Any
 
 import numpy as np
 
 from . import _frameworks
+from ._lifetime import release_when_collected
 from .devices import Device, as_device, default_device
 from .drivers import DriverError, get_vmm_driver
 from .drivers.base import K_DL_CPU, VmmDriver
@@ -174,15 +174,9 @@ class _PinnedHostMemory:
             self._driver.host_free(ptr)
             self.host_ptr = 0
 
-    def __del__(self) -> None:
-        if getattr(self, "host_ptr", 0) and not sys.is_finalizing():
-            try:
-                self.free()
-            except Exception as error:  # noqa: BLE001 - no caller to raise to: reported
-                import warnings
-
-                warnings.warn(f"jaxbuf: freeing pinned host memory during garbage collection "
-                              f"failed (it leaks): {error!r}", ResourceWarning, stacklevel=2)
+    def __del__(self, _release: Any = release_when_collected) -> None:
+        if getattr(self, "host_ptr", 0):
+            _release(self.free, "pinned host memory")
 
 
 class _BufferBase:
@@ -489,10 +483,9 @@ class NonUvaBuffer(_BufferBase):
             self._set_ready_event(None)
         memory.free()  # idempotent; after a driver failure a retry frees what is left
 
-    def __del__(self) -> None:
-        if sys.is_finalizing() or getattr(self, "_device_memory", None) is None:
-            return
-        self.free()
+    def __del__(self, _release: Any = release_when_collected) -> None:
+        if getattr(self, "_device_memory", None) is not None:
+            _release(self.free, "a NonUvaBuffer")
 
 
 def _check_buffer_cls(buffer_cls: Any) -> type:
@@ -842,10 +835,9 @@ class UvaBufferPool:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        if sys.is_finalizing() or not getattr(self, "_slots", None):
-            return
-        self.close()
+    def __del__(self, _release: Any = release_when_collected) -> None:
+        if getattr(self, "_slots", None):
+            _release(self.close, "a UvaBufferPool")
 
 
 class UvaBackedTensor:

@@ -690,6 +690,7 @@ def _state_machine(device: str):
             self.swt = StagedWriteTensor((ROWS, COLS), "int32", device, backend=_backend(device),
                                          driver=self.driver)  # fmt: skip
             self.target = np.zeros((ROWS, COLS), np.int32)
+            self.finalizer_faults = 0
 
         # Runs ``operation`` with a fault armed ``fault`` calls ahead; True when it raised
         # the injected DriverError (a fault past the operation's last call is disarmed).
@@ -708,8 +709,11 @@ def _state_machine(device: str):
                 return True
             finally:
                 driver.disarm()
-            if driver.faults_injected != before:  # fired inside garbage collection
+            if driver.faults_injected != before:  # fired inside a finalizer
                 assert driver.injected[-1].kind in ("host_free",), driver.injected[-1]
+                # That block leaks by design (a ResourceWarning says so); teardown frees it
+                # through the real driver once its owner is gone, and checks all else.
+                self.finalizer_faults += 1
                 leak_gc_fault(driver)
             return False
 
@@ -817,6 +821,8 @@ def _state_machine(device: str):
             self.swt.free()
             self.m.buf.free()
             gc.collect()
+            if self.finalizer_faults:
+                leak_gc_fault(self.driver)
             self.driver.assert_clean()
 
     return Machine
@@ -826,9 +832,18 @@ def test_random_operations_with_faults(device):
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    run_state_machine_as_test(
-        _state_machine(device),
-        settings=settings(max_examples=40, stateful_step_count=12, deadline=None,
-                          derandomize=True, database=None, print_blob=True,
-                          suppress_health_check=list(HealthCheck)),  # fmt: skip
-    )
+    # The cyclic collector stays off for the run (teardown collects explicitly): a fault must
+    # land in an operation's own calls, not in a finalizer the collector happens to run then,
+    # which made the outcome depend on the garbage earlier tests left. Faults in finalizers
+    # have tests of their own (test_regression_pinned_memory_free_failure_in_gc_warns).
+    gc.collect()
+    gc.disable()
+    try:
+        run_state_machine_as_test(
+            _state_machine(device),
+            settings=settings(max_examples=40, stateful_step_count=12, deadline=None,
+                              derandomize=True, database=None, print_blob=True,
+                              suppress_health_check=list(HealthCheck)),  # fmt: skip
+        )
+    finally:
+        gc.enable()
