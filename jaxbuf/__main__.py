@@ -5,7 +5,9 @@ Subcommands:
 * ``info``: platform, which drivers work here (and why not), library versions, granule sizes;
 * ``bench``: the benchmark suites of :mod:`jaxbuf.bench`, a table per suite, a JSON result
   file and, with ``--plot``, a PNG of growth cost against committed size;
-* ``demo``: a short walkthrough: grow a buffer four times, see the same bytes from torch and JAX.
+* ``demo``: a terminal walkthrough: grow a buffer four times, seeing the same bytes from torch
+  and JAX; then the worked example of notebook 4 (:mod:`jaxbuf.demo`), a toy decode loop over a
+  growing paged KV cache, with a progress bar and a summary table.
 
 ``--device`` defaults to CUDA when it works here, else the CPU. A bad device or a missing
 framework prints one line, ``jaxbuf: error: ...``, on stderr and exits with status 2.
@@ -409,7 +411,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     capacity = 64 << 20
     buf = ExtensibleTensor(capacity, device=device)
     base_ptr = buf.base_ptr
-    out.line(f"Reserved {format_bytes(buf.capacity_bytes)} of address space on {device} at "
+    out.line(f"Part 1: reserved {format_bytes(buf.capacity_bytes)} of address space on {device} at "
              f"{base_ptr:#x}; nothing is committed yet ({buf.physical_bytes} bytes).")  # fmt: skip
     if len(frameworks) == 2:
         out.line("Growing four times; each step writes its number into the new bytes through "
@@ -468,7 +470,68 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     out.line("Every framework array points at the same address: the buffer grew in place, "
              "so views (and CUDA graphs) taken before a grow stay valid after it.")
     buf.free()
+    if len(frameworks) == 2:
+        all_ok = _decode_demo(out, device, args.steps) and all_ok
+    else:
+        out.line("(The decode-loop part needs both torch and JAX; run without --framework.)")
     return 0 if all_ok else 1
+
+
+def _decode_demo(out: _Printer, device: Any, steps: int) -> bool:
+    """Part 2: the decode loop of notebook 4, with a progress bar and a summary table."""
+    import statistics
+
+    from jaxbuf.bench import format_bytes, format_seconds
+    from jaxbuf.demo import run_decode_demo
+
+    out.line()
+    out.line(f"Part 2: the decode loop of notebooks/04_decode_loop.py on {device}: a paged KV "
+             "cache (ExtensibleTensor) that commits a page as a sequence crosses a block, a "
+             "block table updated by staged writes, per-step metadata from a UVA pool, and "
+             "torch checking JAX's attention on the same memory every step.")  # fmt: skip
+    progress = _Progress(steps, "decoding")
+
+    def on_step(record: dict[str, Any]) -> None:
+        progress.describe(f"step {record['step']}: "
+                          f"{format_bytes(record['committed_bytes'])} committed")  # fmt: skip
+        progress.advance()
+
+    try:
+        records = run_decode_demo(device, steps, progress=on_step)
+    finally:
+        progress.close()
+    grew = [r["step"] for r in records if r["grew"]]
+    failed = [r["step"] for r in records if not r["check_ok"]]
+    worst = max(r["max_diff"] for r in records)
+    first, last = records[0], records[-1]
+    step_s = [r["step_s"] for r in records]
+    steady = [r["step_s"] for r in records[1:] if not r["grew"]]
+    check = (f"ok: {len(records)}/{len(records)} steps, max |diff| {worst:.1e}" if not failed
+             else f"MISMATCH at steps {failed} (max |diff| {worst:.1e})")  # fmt: skip
+    growth = (f"{sum(r['new_pages'] for r in records)} page(s) at steps "
+              f"{', '.join(map(str, grew)) or 'none'}")  # fmt: skip
+    committed = (f"{format_bytes(first['committed_bytes'])} -> "
+                 f"{format_bytes(last['committed_bytes'])} "
+                 f"(physical {format_bytes(last['physical_bytes'])})")  # fmt: skip
+    median = (f"{format_seconds(statistics.median(step_s))} (steps without growth "
+              f"{format_seconds(statistics.median(steady) if steady else None)}; "
+              "growth steps re-trace the JAX step for the new cache shape)")  # fmt: skip
+    lengths = f"{first['lengths']} -> {last['lengths']}"
+    out.table(f"decode loop on {device}: summary", ["", ""], [
+        ["steps", f"{len(records)} (4 sequences, lengths {lengths})"],
+        ["growth events", growth],
+        ["committed (K + V)", committed],
+        ["median step", median],
+        ["torch check", check],
+    ])  # fmt: skip
+    return not failed
+
+
+def _decode_steps(text: str) -> int:
+    """``--steps``: the decode loop's cache holds 20 more tokens after its prefill."""
+    if not text.isdigit() or not 1 <= int(text) <= 20:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to 20, got {text!r}")
+    return int(text)
 
 
 # -- entry point --------------------------------------------------------------------------
@@ -493,8 +556,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="suite names or dotted prefixes (e.g. extensible.views, uva)")
     bench.set_defaults(handler=_cmd_bench)
 
-    demo = commands.add_parser("demo", help="grow a buffer, see it from torch and JAX")
+    demo = commands.add_parser("demo", help="grow a buffer, then run a toy decode loop")
     demo.add_argument("--device", help=device_help)
+    demo.add_argument("--steps", type=_decode_steps, default=20, metavar="N",
+                      help="decode steps (1-20, default 20)")
     demo.add_argument("--framework", action="append", choices=["torch", "jax"],
                       help="framework(s) to show (repeatable; default: torch and jax)")
     demo.set_defaults(handler=_cmd_demo)

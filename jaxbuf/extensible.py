@@ -9,12 +9,12 @@ before a grow stay valid after it, so a CUDA graph captured over the buffer keep
 from __future__ import annotations
 
 import itertools
-import operator
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jaxbuf import drivers as _drivers
+from jaxbuf._checks import as_int as _as_int
 from jaxbuf._intervals import IntervalSet
 from jaxbuf._lifetime import release_when_collected
 from jaxbuf.devices import Device, as_device, default_device
@@ -34,18 +34,6 @@ _MAX_BYTES = (1 << 63) - _MIN_GRANULARITY
 
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
-
-
-def _as_int(value: Any, name: str) -> int:
-    """``value`` as a Python int; TypeError naming it for bool, float, str, None, ..."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be an integer, got {value!r} of type {type(value).__name__}"
-        ) from None
 
 
 def _as_size(value: Any, name: str) -> int:

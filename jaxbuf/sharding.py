@@ -29,11 +29,11 @@ Examples
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jaxbuf import _dlpack
+from jaxbuf._checks import as_shape
 from jaxbuf.devices import as_device
 from jaxbuf.drivers.base import K_DL_CPU
 from jaxbuf.dtypes import canonical_dtype
@@ -43,16 +43,10 @@ __all__ = ["global_shape_of", "sharded_jax_array"]
 
 
 def _as_shape(shape: Any) -> tuple[int, ...]:
-    """A shape as a tuple of non-negative ints; TypeError / ValueError naming it."""
-    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+    """A shard shape as a tuple of non-negative ints; TypeError / ValueError naming it."""
+    if not isinstance(shape, (tuple, list)):
         raise TypeError(f"shard_shape must be a sequence of ints, got {shape!r}")
-    dims = tuple(shape)
-    for dim in dims:
-        if isinstance(dim, bool) or not hasattr(dim, "__index__"):
-            raise TypeError(f"shard_shape entries must be ints, got {shape!r}")
-        if operator.index(dim) < 0:
-            raise ValueError(f"shard_shape entries must be non-negative, got {shape!r}")
-    return tuple(operator.index(dim) for dim in dims)
+    return as_shape(shape, "shard_shape")
 
 
 def _axis_names(entry: Any) -> tuple[Any, ...]:

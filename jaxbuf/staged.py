@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from . import _frameworks
+from ._checks import as_int as _as_index
 from ._lifetime import release_when_collected
 from .devices import Device, as_device, default_device
 from .drivers import get_vmm_driver
@@ -84,18 +85,6 @@ _pack_record = struct.Struct(f"={_WRITE_FIELDS}q").pack
 
 
 # -- validation helpers ----------------------------------------------------------------------
-def _as_index(value: Any, name: str) -> int:
-    """``value`` as an int; TypeError naming it for bool, float, str, None, ..."""
-    if isinstance(value, bool) or isinstance(value, np.bool_):
-        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be an integer, got {value!r} of type {type(value).__name__}"
-        ) from None
-
-
 def _target_shape(size: Any) -> tuple[tuple[int, ...], int, int]:
     """``(shape, num_rows, row_len)`` for ``size``: an int n (a 1-D target of n rows of one
     element, as in the seed) or ``(num_rows, row_len)``."""

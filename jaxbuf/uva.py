@@ -38,7 +38,8 @@ from .devices import Device, as_device, default_device
 from .drivers import DriverError, get_vmm_driver
 from .drivers.base import K_DL_CPU, VmmDriver
 from .dtypes import DType, canonical_dtype
-from .views import BufferView, as_shape
+from ._checks import as_shape
+from .views import BufferView
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",

@@ -18,31 +18,13 @@ from typing import Any
 import numpy as np
 
 from . import _dlpack
+from ._checks import as_shape
 from .devices import Device
 from .drivers.base import K_DL_CPU, K_DL_CUDA, K_DL_CUDA_HOST, K_DL_ROCM, K_DL_ROCM_HOST
 from .dtypes import DType, canonical_dtype, uint8
 
 _HOST_DEVICE_TYPES = (K_DL_CPU, K_DL_CUDA_HOST, K_DL_ROCM_HOST)
 _STREAM_DEVICE_TYPES = (K_DL_CUDA, K_DL_CUDA_HOST, K_DL_ROCM, K_DL_ROCM_HOST)
-
-
-def as_shape(shape: Any, name: str = "shape") -> tuple[int, ...]:
-    """``shape`` (an int or a sequence of ints, numpy integers accepted) as a tuple of
-    non-negative Python ints; TypeError / ValueError naming it otherwise."""
-    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
-        shape = (shape,)
-    if isinstance(shape, (str, bytes)):
-        raise TypeError(f"{name} must be an int or a sequence of ints, got {shape!r}")
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise TypeError(f"{name} must be an int or a sequence of ints, got {shape!r}") from None
-    for dim in dims:
-        if isinstance(dim, bool) or not hasattr(dim, "__index__"):
-            raise TypeError(f"{name} entries must be ints, got {shape!r}")
-        if operator.index(dim) < 0:
-            raise ValueError(f"{name} entries must be non-negative, got {shape!r}")
-    return tuple(operator.index(dim) for dim in dims)
 
 
 class _NumpyHolder:

@@ -1,0 +1,43 @@
+"""Argument checks shared by the public entry points: ints and shapes, named in every error.
+
+Bad input raises ``TypeError`` / ``ValueError`` naming the value before anything changes; numpy
+integers are accepted, bools are not (``True`` is an int to Python, never a size here).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+
+def as_int(value: Any, name: str) -> int:
+    """``value`` as a Python int; TypeError naming it for bool, float, str, None, ..."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an integer, got {value!r} of type {type(value).__name__}"
+        ) from None
+
+
+def as_shape(shape: Any, name: str = "shape") -> tuple[int, ...]:
+    """``shape`` (an int or a sequence of ints, numpy integers accepted) as a tuple of
+    non-negative Python ints; TypeError / ValueError naming it otherwise."""
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    if isinstance(shape, (str, bytes)):
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {shape!r}")
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {shape!r}") from None
+    for dim in dims:
+        if isinstance(dim, bool) or not hasattr(dim, "__index__"):
+            raise TypeError(f"{name} entries must be ints, got {shape!r}")
+        if operator.index(dim) < 0:
+            raise ValueError(f"{name} entries must be non-negative, got {shape!r}")
+    return tuple(operator.index(dim) for dim in dims)
