@@ -441,12 +441,12 @@ def _read_staged(swt, device) -> np.ndarray:
     return swt.to_torch().cpu().numpy()
 
 
-@pytest.mark.parametrize("uva", [False, True])
 # On CUDA an apply's event is destroyed when the last tensor or slot lets go of it, which can
 # be inside a finalizer (a ResourceWarning then says the event leaks); the CPU has no events.
 _STAGED_GC_FAULTS = ("host_free", "destroy_event")
 
 
+@pytest.mark.parametrize("uva", [False, True])
 def test_sweep_staged_construct_and_free(device, uva):
     from jaxbuf.staged import StagedWriteTensor
 
