@@ -21,6 +21,7 @@ program per row walks its writes in table order, so later writes win).
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from .reference import CONTENT_ALIGNMENT, IntsAt, address_of
 __all__ = ["CompiledLauncher", "apply_staged_writes", "DEFAULT_BLOCK_SIZE"]
 
 DEFAULT_BLOCK_SIZE = 1024
+_COMPILE_LOCK = threading.Lock()
 
 
 @triton.jit(do_not_specialize=["write_table_addr", "group_table_addr", "contents_addr",
@@ -265,7 +267,9 @@ class CompiledLauncher:
 
         kernel = _kernel(False)
         address = self._WARMUP_ADDRESS
-        with torch.cuda.device(self.device_index):
+        # One compile at a time: writers driven from several threads compile their first
+        # launch together, and Triton's per-kernel caches are not meant for that.
+        with _COMPILE_LOCK, torch.cuda.device(self.device_index):
             compiled = kernel.warmup(address, address, address, 1 << 20, address,
                                      BLOCK_SIZE=self.block_size, SERIAL=serial, grid=(1,))  # fmt: skip
             if hasattr(compiled, "result"):  # an asynchronous compile
