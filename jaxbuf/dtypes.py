@@ -60,7 +60,6 @@ _DTYPES = {
         DType("float64", 8, K_DL_FLOAT),
     ]
 }
-_BY_DLPACK = {(dtype.dlpack_code, dtype.itemsize * 8): dtype for dtype in _DTYPES.values()}
 
 SUPPORTED_DTYPES: tuple[str, ...] = tuple(_DTYPES)
 
@@ -115,11 +114,3 @@ def canonical_dtype(dtype: Any) -> DType:
             f"unsupported dtype {dtype!r}; jaxbuf supports {', '.join(SUPPORTED_DTYPES)}"
         )
     return result
-
-
-def from_dlpack_code(code: int, bits: int) -> DType:
-    """The :class:`DType` for a DLPack ``(code, bits)`` pair."""
-    try:
-        return _BY_DLPACK[(code, bits)]
-    except KeyError:
-        raise TypeError(f"unsupported DLPack dtype code={code} bits={bits}") from None
