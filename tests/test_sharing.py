@@ -76,6 +76,7 @@ IMPORTER = textwrap.dedent(
     r"""
     import json, os, socket, sys
     import numpy as np
+    from jaxbuf.drivers import get_vmm_driver
     from jaxbuf.sharing import recv_buffer
 
     data = socket.socket(fileno=int(sys.argv[1]))
@@ -115,6 +116,9 @@ IMPORTER = textwrap.dedent(
                 bad.append(i)
         return bad
 
+    # Initialising the platform opens descriptors of its own (CUDA: /dev/nvidia*); do it
+    # before the baseline so that the deltas count only received chunks.
+    get_vmm_driver(device).ensure_context(int(device.partition(":")[2] or 0))
     before = os.listdir("/proc/self/fd")
     buffer = recv_buffer(data, device=device)
     after_import = os.listdir("/proc/self/fd")
