@@ -20,13 +20,25 @@ from .dtypes import DType
 _DLPACK_LEGACY_STREAM = 1
 
 
+def loaded_module(name: str) -> Any:
+    """Module ``name`` if it is already imported and done initialising, else None.
+
+    Never imports. A module another thread is still importing is in ``sys.modules`` half
+    built (``torch.cuda`` missing, say); importlib marks it with ``__spec__._initializing``.
+    """
+    module = sys.modules.get(name)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return None
+    return module
+
+
 def is_torch_tensor(x: Any) -> bool:
-    torch = sys.modules.get("torch")
+    torch = loaded_module("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
 
 def is_jax_array(x: Any) -> bool:
-    jax = sys.modules.get("jax")
+    jax = loaded_module("jax")
     return jax is not None and isinstance(x, jax.Array)
 
 
@@ -66,7 +78,7 @@ def numpy_to_torch(array: np.ndarray) -> Any:
 def torch_current_stream(device: Device) -> int:
     """The DLPack number of torch's current stream on ``device``, or the legacy default
     stream when torch is not imported or has not initialised CUDA."""
-    torch = sys.modules.get("torch")
+    torch = loaded_module("torch")
     if torch is None or not device.is_cuda or not torch.cuda.is_initialized():
         return _DLPACK_LEGACY_STREAM
     handle = torch.cuda.current_stream(device.index).cuda_stream

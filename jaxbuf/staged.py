@@ -42,7 +42,6 @@ import importlib.util
 import math
 import operator
 import struct
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -781,8 +780,12 @@ class FusedStagedWriter:
                     driver.stream_wait_event(dlpack_stream, applied.handle, index)
             self._launch(table_addr, group_addr, contents_addr, num_writes, serial, raw_stream,
                          None, None, segments=segments, num_segments=num_segments)  # fmt: skip
-            event = _AppliedEvent(driver, driver.record_event(dlpack_stream, index),
-                                  dlpack_stream)  # fmt: skip
+            try:
+                handle = driver.record_event(dlpack_stream, index)
+            except BaseException as error:
+                self._launched_without_event(tensors, stagers, error)
+                raise
+            event = _AppliedEvent(driver, handle, dlpack_stream)
             self._slot_events[i] = event
             for t, n in zip(tensors, staged_bytes):
                 if n:
@@ -796,6 +799,26 @@ class FusedStagedWriter:
         else:
             for t in tensors:
                 t.clear_staged_writes()
+
+    def _launched_without_event(self, tensors: Sequence[StagedWriteTensor], stagers: Any,
+                                error: BaseException) -> None:  # fmt: skip
+        """The launch is enqueued but its event could not be recorded: the writes are applied
+        whatever happens now, so they are no longer staged. With no event to wait on, the
+        device is synchronized here so that the slot and the targets are safe to reuse."""
+        if stagers is not None:
+            _clear(stagers)
+        else:
+            for t in tensors:
+                t.clear_staged_writes()
+        for t in tensors:
+            t._applied = None
+        try:
+            self._driver.synchronize(self.device.index)
+        except Exception as sync_error:  # noqa: BLE001 - reported as a note
+            error.add_note(f"synchronizing after the failed event record failed too: "
+                           f"{sync_error!r}")  # fmt: skip
+        error.add_note("the staged writes were launched and are applied; they are no longer "
+                       "staged")  # fmt: skip
 
     def _tables(self, i: int, num_groups: int, num_writes: int) -> tuple[np.ndarray, np.ndarray]:
         """Numpy views of slot ``i``'s write table and group table."""
@@ -997,7 +1020,7 @@ def _host_ints(values: Any) -> list:
 def _raw_stream(stream: Any, device: Device) -> int:
     """The CUDA stream handle to launch on: ``stream``'s, or torch's current stream's."""
     if stream is None:
-        torch = sys.modules.get("torch")
+        torch = _frameworks.loaded_module("torch")
         if torch is None or not torch.cuda.is_initialized():
             return 0
         return torch._C._cuda_getCurrentRawStream(device.index)

@@ -6,8 +6,10 @@ on CUDA; ``framework`` runs it through torch and through JAX.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import os
+import signal
 
 # JAX would otherwise take most of the GPU at its first use, starving VMM allocations.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -26,6 +28,20 @@ def _missing(module: str) -> str | None:
     if importlib.util.find_spec(module) is None:
         return f"{module} is not installed"
     return None
+
+
+# Set by tools/gpu_check.sh: a run on the GPU machine may be cut off before pytest's summary,
+# so each failure is written as it happens, and SIGUSR1 dumps every thread's Python stack.
+_REPORT_DIR = os.environ.get("JAXBUF_REPORT_DIR")
+if _REPORT_DIR:
+    _process = f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}"
+    _stacks = open(os.path.join(_REPORT_DIR, f"stacks-{_process}.log"), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
+
+    def pytest_runtest_logreport(report):
+        if report.failed:
+            with open(os.path.join(_REPORT_DIR, f"failures-{_process}.log"), "a") as log:
+                log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 TORCH_REASON = _missing("torch")

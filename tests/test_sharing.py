@@ -199,6 +199,8 @@ def fill(tensor, seeds) -> None:
 
 
 def two_process_round_trip(owner_device: str, importer_device: str) -> None:
+    # The platform's own descriptors (CUDA: /dev/nvidia*) open at its first use, not ours.
+    get_vmm_driver(owner_device).ensure_context(int(owner_device.partition(":")[2] or 0))
     fds_before = open_fds()
     tensor = ExtensibleTensor(16 * G, device=owner_device, num_segments=2)
     importer = Importer(importer_device)

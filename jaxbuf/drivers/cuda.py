@@ -17,10 +17,10 @@ probe in ``unavailable_reason``. The method bodies map one to one.
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
+from jaxbuf._frameworks import loaded_module
 from jaxbuf.drivers.base import K_DL_CUDA, K_DL_CUDA_HOST, DriverError, VmmDriver
 
 try:
@@ -537,7 +537,7 @@ def _release_framework_caches() -> bool:
     Never imports one. Returns True when something was asked, i.e. a retry may help.
     """
     released = False
-    torch = sys.modules.get("torch")
+    torch = loaded_module("torch")
     # torch's caching allocator keeps freed blocks that cuMemCreate cannot reuse.
     # empty_cache frees them on every device it initialized; is_initialized keeps a
     # process where torch never touched CUDA from creating contexts here.
