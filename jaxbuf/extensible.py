@@ -795,9 +795,20 @@ class ExtensibleTensor:
         buffer.ensure_committed_ranges(grown)
         if zero_new:
             driver, index = self._driver, self._device.index
-            for start, end in grown:
-                driver.memset(buffer.base_ptr + start, 0, end - start, index)
-            self._set_ready_event(driver.record_ready_event(index))
+            try:
+                for start, end in grown:
+                    driver.memset(buffer.base_ptr + start, 0, end - start, index)
+                event = driver.record_ready_event(index)
+            except BaseException as error:
+                # Memsets already issued would have no event ordering them before later
+                # consumers (a grow without zeroing records none): let them finish here.
+                try:
+                    driver.synchronize(index)
+                except Exception as sync_error:  # noqa: BLE001 - reported as a note
+                    error.add_note(f"synchronizing after the failed zeroing failed too: "
+                                   f"{sync_error!r}")  # fmt: skip
+                raise
+            self._set_ready_event(event)
         self._committed = new_sizes
 
     # -- peer access ----------------------------------------------------------------

@@ -19,6 +19,7 @@ random positions, against a numpy model. The number of faults injected is printe
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -753,7 +754,7 @@ def _state_machine(device: str):
             finally:
                 driver.disarm()
             if driver.faults_injected != before:  # fired inside a finalizer
-                assert driver.injected[-1].kind in ("host_free",), driver.injected[-1]
+                assert driver.injected[-1].kind in _STAGED_GC_FAULTS, driver.injected[-1]
                 # That block leaks by design (a ResourceWarning says so); teardown frees it
                 # through the real driver once its owner is gone, and checks all else.
                 self.finalizer_faults += 1
@@ -847,8 +848,12 @@ def _state_machine(device: str):
                 self.swt.stage_write(row, start, values)
                 expected[row, start : start + n] = values
             if self.run(fault, self.swt.apply_write):
-                np.testing.assert_array_equal(_read_staged(self.swt, device), self.target)
-                assert self.swt.num_staged_writes == len(writes)
+                if self.driver.injected[-1].kind == "record_event":
+                    # The launch was enqueued before its event failed: applied, unstaged.
+                    assert self.swt.num_staged_writes == 0
+                else:
+                    np.testing.assert_array_equal(_read_staged(self.swt, device), self.target)
+                    assert self.swt.num_staged_writes == len(writes)
                 self.swt.apply_write()
             self.target = expected
             np.testing.assert_array_equal(_read_staged(self.swt, device), self.target)
@@ -872,13 +877,18 @@ def _state_machine(device: str):
 
 
 def test_random_operations_with_faults(device):
-    from hypothesis import HealthCheck, settings
+    from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
     # The cyclic collector stays off for the run (teardown collects explicitly): a fault must
     # land in an operation's own calls, not in a finalizer the collector happens to run then,
     # which made the outcome depend on the garbage earlier tests left. Faults in finalizers
     # have tests of their own (test_regression_pinned_memory_free_failure_in_gc_warns).
+    # JAXBUF_NO_SHRINK=1 reports the first failing sequence as found: shrinking one on a GPU
+    # can take minutes of device time.
+    phases = list(Phase)
+    if os.environ.get("JAXBUF_NO_SHRINK") == "1":
+        phases.remove(Phase.shrink)
     gc.collect()
     gc.disable()
     try:
@@ -886,7 +896,7 @@ def test_random_operations_with_faults(device):
             _state_machine(device),
             settings=settings(max_examples=40, stateful_step_count=12, deadline=None,
                               derandomize=True, database=None, print_blob=True,
-                              suppress_health_check=list(HealthCheck)),  # fmt: skip
-        )
+                              phases=phases, suppress_health_check=list(HealthCheck)),
+        )  # fmt: skip
     finally:
         gc.enable()
