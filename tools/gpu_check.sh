@@ -21,7 +21,7 @@ for group in "$@"; do
     start=$(date +%s)
     eval "argv=($args)"  # args may quote a -k expression
     # setsid: pytest leads a process group of its own (workers, subprocesses) to signal.
-    setsid python3 -m pytest -q -rfE --tb=short -p no:cacheprovider "${argv[@]}" \
+    setsid python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider "${argv[@]}" \
         >"$JAXBUF_REPORT_DIR/$name.log" 2>&1 &
     pid=$!
     while kill -0 "$pid" 2>/dev/null && (( $(date +%s) - start < seconds )); do sleep 1; done
