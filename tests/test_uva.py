@@ -476,9 +476,13 @@ def test_guard_catches_early_reuse_on_gpu(cuda_device, mode):
     pool = UvaBufferPool(4, torch.int32, 2, cuda_device, framework="torch", guarded=mode)
     side = torch.cuda.Stream(cuda_device)
     first = np.array([1, 2, 3, 4], np.int32)
+    # Load both kernels first: a first launch's module loading is host time spent inside the
+    # window below (under a loaded `pytest -n 8` it used up a 0.25 s sleep on the H200).
+    torch.cuda._sleep(1)
+    (torch.ones(4, dtype=torch.int32, device=cuda_device) * 2).cpu()
     with torch.cuda.stream(side):
         rows = pool.copy_to_uva(first)
-        torch.cuda._sleep(500_000_000)  # a long kernel before the read
+        torch.cuda._sleep(2_000_000_000)  # about 1 s of device time before the read
         doubled = rows * 2
         pool.copy_to_uva([9, 9, 9, 9])  # the other slot; records the first slot's readers
         if mode == "raise":
