@@ -24,6 +24,14 @@ def as_int(value: Any, name: str) -> int:
         ) from None
 
 
+def as_count(value: Any, name: str, minimum: int = 1) -> int:
+    """``value`` as a Python int of at least ``minimum``; TypeError / ValueError naming it."""
+    count = as_int(value, name)
+    if count < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {count}")
+    return count
+
+
 def as_shape(shape: Any, name: str = "shape") -> tuple[int, ...]:
     """``shape`` (an int or a sequence of ints, numpy integers accepted) as a tuple of
     non-negative Python ints; TypeError / ValueError naming it otherwise."""

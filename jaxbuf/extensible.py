@@ -17,9 +17,9 @@ from jaxbuf import drivers as _drivers
 from jaxbuf._checks import as_int as _as_int
 from jaxbuf._intervals import IntervalSet
 from jaxbuf._lifetime import release_when_collected
+from jaxbuf._segments import SegmentedReservation
 from jaxbuf.devices import Device, as_device, default_device
 from jaxbuf.drivers.base import VmmDriver
-from jaxbuf.dtypes import uint8
 from jaxbuf.views import BufferView
 
 __all__ = ["ExtensibleTensor", "granule_size"]
@@ -613,7 +613,7 @@ class _VirtualBuffer:
             _release(self.free, "an ExtensibleTensor")
 
 
-class ExtensibleTensor:
+class ExtensibleTensor(SegmentedReservation):
     """A device byte buffer that grows without moving its base pointer.
 
     The reservation is divided into contiguous segments whose committed bytes form a
@@ -727,30 +727,13 @@ class ExtensibleTensor:
             self._peer_devices = tuple(peers)
 
     # -- views ----------------------------------------------------------------------
-    def _view(self, offset: int, nbytes: int) -> BufferView:
-        return BufferView(
-            ptr=self._live_buffer().base_ptr + offset,
-            nbytes=nbytes,
-            dtype=uint8,
-            shape=(nbytes,),
-            device=self._device,
-            owner=self,
-            dlpack_device_type=self._driver.dlpack_device_type,
-        )
+    def _live_base_ptr(self) -> int:
+        return self._live_buffer().base_ptr
 
     def full_view(self) -> BufferView:
         """Uint8 view spanning the whole reservation (only committed bytes may be
         touched)."""
         return self._view(0, self._max_num_bytes)
-
-    def segment_view(self, index: int) -> BufferView:
-        """Uint8 view over one segment's committed prefix, sized exactly to it."""
-        i = _as_int(index, "segment index")
-        if not 0 <= i < self.num_segments:
-            raise IndexError(
-                f"segment index {index!r} out of range for {self.num_segments} segment(s)"
-            )
-        return self._view(self._segment_offsets[i], self._committed[i])
 
     # -- growing --------------------------------------------------------------------
     def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> None:
@@ -901,27 +884,9 @@ class ExtensibleTensor:
         return self._uniform(self._committed)
 
     @property
-    def committed_sizes(self) -> list[int]:
-        """Committed prefix size of every segment."""
-        return list(self._committed)
-
-    @property
-    def num_segments(self) -> int:
-        return len(self._segment_capacities)
-
-    @property
     def segment_capacity_bytes(self) -> int:
         """Maximum size of each segment (ValueError when they differ)."""
         return self._uniform(self._segment_capacities)
-
-    @property
-    def segment_capacities(self) -> list[int]:
-        return list(self._segment_capacities)
-
-    @property
-    def segment_offsets(self) -> list[int]:
-        """Byte offset of each segment within the reservation."""
-        return list(self._segment_offsets)
 
     @staticmethod
     def _uniform(values: list[int]) -> int:
@@ -1016,10 +981,6 @@ class ExtensibleTensor:
     def base_ptr(self) -> int:
         """Address of the reservation (0 once freed)."""
         return 0 if self._buffer is None else self._buffer.base_ptr
-
-    @property
-    def device(self) -> Device:
-        return self._device
 
     @property
     def driver(self) -> VmmDriver:

@@ -55,10 +55,10 @@ from typing import Any
 
 from jaxbuf._intervals import IntervalSet
 from jaxbuf._lifetime import release_when_collected
+from jaxbuf._segments import SegmentedReservation
 from jaxbuf.devices import Device, as_device
 from jaxbuf.drivers import get_vmm_driver
 from jaxbuf.drivers.base import VmmDriver
-from jaxbuf.dtypes import uint8
 from jaxbuf.views import BufferView
 
 __all__ = ["ImportedBuffer", "export_layout", "recv_buffer", "recv_layout", "send_buffer",
@@ -227,7 +227,7 @@ def recv_buffer(
     return ImportedBuffer(layout, fds, device=device, driver=driver)
 
 
-class ImportedBuffer:
+class ImportedBuffer(SegmentedReservation):
     """Another process's :class:`~jaxbuf.ExtensibleTensor`, mapped into this one.
 
     It owns its reservation (the owner's ``reserved_size``) and maps each received chunk at
@@ -398,53 +398,15 @@ class ImportedBuffer:
         self._committed = settled
 
     # -- views ------------------------------------------------------------------------
-    def _view(self, offset: int, nbytes: int) -> BufferView:
+    def _live_base_ptr(self) -> int:
         self._check_alive()
-        return BufferView(
-            ptr=self.base_ptr + offset,
-            nbytes=nbytes,
-            dtype=uint8,
-            shape=(nbytes,),
-            device=self._device,
-            owner=self,
-            dlpack_device_type=self._driver.dlpack_device_type,
-        )
-
-    def segment_view(self, index: int) -> BufferView:
-        """Uint8 view over segment ``index``'s committed prefix (as last received)."""
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"segment index must be an integer, got {index!r}")
-        if not 0 <= index < len(self._committed):
-            raise IndexError(
-                f"segment index {index!r} out of range for {len(self._committed)} segment(s)"
-            )
-        return self._view(self._segment_offsets[index], self._committed[index])
+        return self.base_ptr
 
     def full_view(self) -> BufferView:
         """Uint8 view over the whole reservation (only committed bytes may be touched)."""
         return self._view(0, self._reserved_size)
 
     # -- properties -------------------------------------------------------------------
-    @property
-    def device(self) -> Device:
-        return self._device
-
-    @property
-    def committed_sizes(self) -> list[int]:
-        return list(self._committed)
-
-    @property
-    def segment_offsets(self) -> list[int]:
-        return list(self._segment_offsets)
-
-    @property
-    def segment_capacities(self) -> list[int]:
-        return list(self._segment_capacities)
-
-    @property
-    def num_segments(self) -> int:
-        return len(self._segment_capacities)
-
     @property
     def capacity_bytes(self) -> int:
         return self._reserved_size

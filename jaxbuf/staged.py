@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import operator
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -48,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from . import _frameworks
+from ._checks import as_count
 from ._checks import as_int as _as_index
 from ._lifetime import release_when_collected
 from .devices import Device, as_device, default_device
@@ -120,12 +120,7 @@ def _check_dtype(dtype: Any) -> DType:
 def _check_max_concurrency(max_concurrency: Any) -> int:
     if max_concurrency is None:
         return _DEFAULT_MAX_CONCURRENCY
-    if isinstance(max_concurrency, bool) or not hasattr(max_concurrency, "__index__"):
-        raise TypeError(f"max_concurrency must be an int or None, got {max_concurrency!r}")
-    max_concurrency = operator.index(max_concurrency)
-    if max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
-    return max_concurrency
+    return as_count(max_concurrency, "max_concurrency")
 
 
 def _resolve(device: Any, driver: VmmDriver | None) -> tuple[Device, VmmDriver]:
@@ -780,10 +775,12 @@ class FusedStagedWriter:
                     driver.stream_wait_event(dlpack_stream, applied.handle, index)
             self._launch(table_addr, group_addr, contents_addr, num_writes, serial, raw_stream,
                          None, None, segments=segments, num_segments=num_segments)  # fmt: skip
+            # Enqueued: the writes are applied whatever fails next, so no longer staged.
+            _clear_staged(tensors, stagers)
             try:
                 handle = driver.record_event(dlpack_stream, index)
             except BaseException as error:
-                self._launched_without_event(tensors, stagers, error)
+                self._synchronize_without_event(tensors, error)
                 raise
             event = _AppliedEvent(driver, handle, dlpack_stream)
             self._slot_events[i] = event
@@ -794,22 +791,13 @@ class FusedStagedWriter:
             tables = self._tables(i, num_groups, num_writes)
             self._launch(table_addr, group_addr, contents_addr, num_writes, serial, 0, *tables,
                          segments=segments, num_segments=num_segments)  # fmt: skip
-        if stagers is not None:
-            _clear(stagers)
-        else:
-            for t in tensors:
-                t.clear_staged_writes()
+            _clear_staged(tensors, stagers)
 
-    def _launched_without_event(self, tensors: Sequence[StagedWriteTensor], stagers: Any,
-                                error: BaseException) -> None:  # fmt: skip
-        """The launch is enqueued but its event could not be recorded: the writes are applied
-        whatever happens now, so they are no longer staged. With no event to wait on, the
-        device is synchronized here so that the slot and the targets are safe to reuse."""
-        if stagers is not None:
-            _clear(stagers)
-        else:
-            for t in tensors:
-                t.clear_staged_writes()
+    def _synchronize_without_event(self, tensors: Sequence[StagedWriteTensor],
+                                   error: BaseException) -> None:  # fmt: skip
+        """The launch is enqueued but its event could not be recorded. With no event to wait
+        on, the device is synchronized here so that the slot and the targets are safe to
+        reuse; ``error`` gets notes saying so."""
         for t in tensors:
             t._applied = None
         try:
@@ -1007,6 +995,15 @@ def _pack_numpy(tensors: Sequence[StagedWriteTensor], staged_bytes: Sequence[int
     # Repeated (group, row) pairs: a stable sort by key puts them side by side.
     keys = np.sort(groups * (1 + int(table[:, 1].max())) + table[:, 1])
     return bool((keys[1:] == keys[:-1]).any())
+
+
+def _clear_staged(tensors: Sequence[StagedWriteTensor], stagers: Any) -> None:
+    """Clear the staged writes of ``tensors`` (``stagers``: their C stagers, or None)."""
+    if stagers is not None:
+        _clear(stagers)
+    else:
+        for t in tensors:
+            t.clear_staged_writes()
 
 
 def _host_ints(values: Any) -> list:

@@ -27,18 +27,17 @@ import ctypes
 import functools
 import logging
 import math
-import operator
 from typing import Any
 
 import numpy as np
 
 from . import _frameworks
+from ._checks import as_count, as_int, as_shape
 from ._lifetime import release_when_collected
 from .devices import Device, as_device, default_device
 from .drivers import DriverError, get_vmm_driver
 from .drivers.base import K_DL_CPU, VmmDriver
 from .dtypes import DType, canonical_dtype
-from ._checks import as_shape
 from .views import BufferView
 
 __all__ = [
@@ -226,9 +225,7 @@ class _BufferBase:
     def _check_rows(self, n: int | None) -> int:
         if n is None:
             return self.shape[0]
-        if isinstance(n, bool) or not hasattr(n, "__index__"):
-            raise TypeError(f"n must be an int or None, got {n!r}")
-        n = operator.index(n)
+        n = as_int(n, "n")
         if not 0 <= n <= self.shape[0]:
             raise IndexError(f"n={n} out of range for a buffer of {self.shape[0]} rows")
         return n
@@ -556,11 +553,7 @@ class UvaBufferPool:
         shape, dtype = _as_shape(size), canonical_dtype(dtype)
         if max_concurrency is None:
             max_concurrency = DEFAULT_MAX_CONCURRENCY
-        if isinstance(max_concurrency, bool) or not hasattr(max_concurrency, "__index__"):
-            raise TypeError(f"max_concurrency must be an int or None, got {max_concurrency!r}")
-        max_concurrency = operator.index(max_concurrency)
-        if max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
+        max_concurrency = as_count(max_concurrency, "max_concurrency")
         framework = "view" if framework is None else framework
         if framework not in _FRAMEWORKS:
             raise ValueError(f"framework must be one of {_FRAMEWORKS} or None, got {framework!r}")
@@ -880,9 +873,8 @@ class UvaBackedTensor:
 
     def copy_to_uva(self, n: int | None = None, stream: Any = None) -> Any:
         if n is not None:
-            if isinstance(n, bool) or not hasattr(n, "__index__"):
-                raise TypeError(f"n must be an int or None, got {n!r}")
-            if not 0 <= operator.index(n) <= len(self.np):
+            n = as_int(n, "n")
+            if not 0 <= n <= len(self.np):
                 raise IndexError(f"n={n!r} out of range for a tensor of {len(self.np)} rows")
         self.gpu = self.pool.copy_to_uva(self.np if n is None else self.np[:n], stream)
         return self.gpu

@@ -12,13 +12,12 @@ torch and JAX are imported on first use, inside the ``to_*`` methods.
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import numpy as np
 
 from . import _dlpack
-from ._checks import as_shape
+from ._checks import as_int, as_shape
 from .devices import Device
 from .drivers.base import K_DL_CPU, K_DL_CUDA, K_DL_CUDA_HOST, K_DL_ROCM, K_DL_ROCM_HOST
 from .dtypes import DType, canonical_dtype, uint8
@@ -64,12 +63,10 @@ class BufferView:
         owner: Any = None,
         dlpack_device_type: int = K_DL_CPU,
     ) -> None:
+        ptr, nbytes = as_int(ptr, "ptr"), as_int(nbytes, "nbytes")
         for name, value in (("ptr", ptr), ("nbytes", nbytes)):
-            if isinstance(value, bool) or not hasattr(value, "__index__"):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-            if not 0 <= operator.index(value) < 1 << 64:
+            if not 0 <= value < 1 << 64:
                 raise ValueError(f"{name} must be in [0, 2**64), got {value!r}")
-        ptr, nbytes = operator.index(ptr), operator.index(nbytes)
         dtype = canonical_dtype(dtype)
         shape = (nbytes // dtype.itemsize,) if shape is None else as_shape(shape)
         needed = math.prod(shape) * dtype.itemsize

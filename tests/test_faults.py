@@ -685,6 +685,27 @@ def test_regression_fused_writer_close_failure_is_retried():
     driver.assert_clean()
 
 
+@pytest.mark.parametrize("failing", ["memset", "record_ready_event"])
+def test_regression_failed_zeroing_synchronizes_before_raising(device, failing):
+    # Found by the CUDA stateful test: a grow whose second memset (or whose event record)
+    # failed raised with the memsets already issued still pending and no event ordering them
+    # before later consumers, so a late memset could overwrite a later write.
+    driver = new_driver(device)
+    granule = driver.granularity(0)
+    buf = ExtensibleTensor(4 * granule, device=device, num_segments=2, driver=driver)
+    driver.fail_on(failing, 2 if failing == "memset" else 1)
+    syncs = driver.calls["synchronize"]
+    with pytest.raises(DriverError):
+        buf.resize_per_segment_(granule, zero_new=True)
+    assert driver.calls["synchronize"] == syncs + 1, "the issued memsets were not waited for"
+    assert buf.committed_sizes == [0, 0]
+    buf.resize_per_segment_(granule, zero_new=True)  # the retry zeroes and claims
+    assert np.count_nonzero(read_segment(buf, 0)) == np.count_nonzero(read_segment(buf, 1)) == 0
+    buf.free()
+    gc.collect()
+    driver.assert_clean()
+
+
 @pytest.mark.gpu
 def test_regression_apply_whose_event_fails_is_applied_not_restaged(cuda_device):
     # The H200 sweep found it: when cuEventRecord failed after the launch, the apply raised

@@ -21,6 +21,7 @@ import pytest
 
 from conftest import CUDA_REASON
 from jaxbuf import sharing
+from jaxbuf.devices import as_device
 from jaxbuf.drivers import DriverError, get_vmm_driver
 from jaxbuf.extensible import ExtensibleTensor
 from jaxbuf.sharing import (
@@ -76,6 +77,7 @@ IMPORTER = textwrap.dedent(
     r"""
     import json, os, socket, sys
     import numpy as np
+    from jaxbuf.devices import as_device
     from jaxbuf.drivers import get_vmm_driver
     from jaxbuf.sharing import recv_buffer
 
@@ -118,7 +120,7 @@ IMPORTER = textwrap.dedent(
 
     # Initialising the platform opens descriptors of its own (CUDA: /dev/nvidia*); do it
     # before the baseline so that the deltas count only received chunks.
-    get_vmm_driver(device).ensure_context(int(device.partition(":")[2] or 0))
+    get_vmm_driver(device).ensure_context(as_device(device).index)
     before = os.listdir("/proc/self/fd")
     buffer = recv_buffer(data, device=device)
     after_import = os.listdir("/proc/self/fd")
@@ -200,7 +202,7 @@ def fill(tensor, seeds) -> None:
 
 def two_process_round_trip(owner_device: str, importer_device: str) -> None:
     # The platform's own descriptors (CUDA: /dev/nvidia*) open at its first use, not ours.
-    get_vmm_driver(owner_device).ensure_context(int(owner_device.partition(":")[2] or 0))
+    get_vmm_driver(owner_device).ensure_context(as_device(owner_device).index)
     fds_before = open_fds()
     tensor = ExtensibleTensor(16 * G, device=owner_device, num_segments=2)
     importer = Importer(importer_device)
@@ -475,7 +477,6 @@ def test_bench_sharing_rows():
     import math
 
     from jaxbuf.bench import load_suites
-    from jaxbuf.devices import as_device
 
     rows = list(load_suites()["sharing.import"].run(as_device("cpu"), True))
     assert [row.params["chunks"] for row in rows] == [1, 64]

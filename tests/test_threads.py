@@ -219,3 +219,25 @@ def test_host_free_race_with_host_alloc_reusing_the_address(monkeypatch):
     assert reused == [ptr]
     driver.host_free(reused[0])  # failed with "not from host_alloc" before the fix
     assert driver._host_allocations == {}
+
+
+def test_frameworks_half_imported_by_another_thread_count_as_not_loaded(monkeypatch):
+    # Found on the H200: Triton imported torch in one thread while a staged apply in another
+    # looked torch up in sys.modules for its current stream and met the half-built module
+    # ("partially initialized module 'torch' has no attribute 'cuda'").
+    import importlib.machinery
+    import sys
+    import types
+
+    from jaxbuf import _frameworks
+    from jaxbuf.devices import as_device
+
+    half_built = types.ModuleType("torch")  # no Tensor, no cuda yet
+    half_built.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+    half_built.__spec__._initializing = True
+    monkeypatch.setitem(sys.modules, "torch", half_built)
+    assert _frameworks.loaded_module("torch") is None
+    assert not _frameworks.is_torch_tensor(np.zeros(1))
+    assert _frameworks.torch_current_stream(as_device("cuda:0")) == 1  # the legacy stream
+    half_built.__spec__._initializing = False  # done: now it is the module
+    assert _frameworks.loaded_module("torch") is half_built

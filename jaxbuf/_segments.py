@@ -1,0 +1,73 @@
+"""Segment layout shared by :class:`~jaxbuf.ExtensibleTensor` and its import into another
+process (:class:`~jaxbuf.sharing.ImportedBuffer`): both are a reservation split into
+segments, each with a committed prefix, seen through uint8 :class:`~jaxbuf.views.BufferView`s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxbuf._checks import as_int
+from jaxbuf.devices import Device
+from jaxbuf.dtypes import uint8
+from jaxbuf.views import BufferView
+
+
+class SegmentedReservation:
+    """Views and layout properties over ``_segment_offsets``, ``_segment_capacities`` and
+    ``_committed`` (committed prefix size of each segment), on ``_device`` through ``_driver``.
+
+    Subclasses set those attributes and implement :meth:`_live_base_ptr`.
+    """
+
+    _device: Device
+    _driver: Any
+    _segment_offsets: list[int]
+    _segment_capacities: list[int]
+    _committed: list[int]
+
+    def _live_base_ptr(self) -> int:
+        """The reservation's address; RuntimeError once it is freed or closed."""
+        raise NotImplementedError
+
+    def _view(self, offset: int, nbytes: int) -> BufferView:
+        return BufferView(
+            ptr=self._live_base_ptr() + offset,
+            nbytes=nbytes,
+            dtype=uint8,
+            shape=(nbytes,),
+            device=self._device,
+            owner=self,
+            dlpack_device_type=self._driver.dlpack_device_type,
+        )
+
+    def segment_view(self, index: int) -> BufferView:
+        """Uint8 view over one segment's committed prefix, sized exactly to it."""
+        i = as_int(index, "segment index")
+        if not 0 <= i < len(self._committed):
+            raise IndexError(
+                f"segment index {index!r} out of range for {len(self._committed)} segment(s)"
+            )
+        return self._view(self._segment_offsets[i], self._committed[i])
+
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def committed_sizes(self) -> list[int]:
+        """Committed prefix size of every segment."""
+        return list(self._committed)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self._segment_capacities)
+
+    @property
+    def segment_capacities(self) -> list[int]:
+        return list(self._segment_capacities)
+
+    @property
+    def segment_offsets(self) -> list[int]:
+        """Byte offset of each segment within the reservation."""
+        return list(self._segment_offsets)
