@@ -1,21 +1,19 @@
-"""Builds jaxbuf's C: the DLPack capsule destructor, and the staging fast path.
+"""Builds jaxbuf's C: the DLPack capsules (deleter, destructor, ExportAnchor), and the staging
+fast path.
 
-Everything else is configured in pyproject.toml. The destructor must be C because it runs
-when an unconsumed capsule dies, possibly during interpreter shutdown, where calling back into
-Python is unsafe (see jaxbuf/_capsule.c). ``jaxbuf._staging`` is optional (staged.py falls back
-to Python without it); it needs the buffer protocol, outside the 3.10 limited API.
+Everything else is configured in pyproject.toml. The capsule deleter must be C because it runs
+on any thread (JAX calls it from its own) and possibly during interpreter shutdown, where it
+must not touch Python; telling whether the interpreter is finalizing needs ``_Py_IsFinalizing``
+before 3.13, outside the limited API, so ``jaxbuf._capsule`` is built per Python version (see
+jaxbuf/_capsule.c). ``jaxbuf._staging`` is optional (staged.py falls back to Python without
+it); it needs the buffer protocol, outside the 3.10 limited API.
 """
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension(
-            "jaxbuf._capsule",
-            sources=["jaxbuf/_capsule.c"],
-            define_macros=[("Py_LIMITED_API", "0x030A0000")],
-            py_limited_api=True,
-        ),
+        Extension("jaxbuf._capsule", sources=["jaxbuf/_capsule.c"]),
         Extension("jaxbuf._staging", sources=["jaxbuf/_staging.c"], optional=True),
     ]
 )

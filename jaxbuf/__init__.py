@@ -3,9 +3,11 @@
 Growable buffers on virtual memory (:class:`ExtensibleTensor`), pinned host memory the device
 reads in place (:class:`UvaBuffer`, :class:`UvaBufferPool`) and batched row writes applied by
 one kernel launch (:class:`StagedWriteTensor`, :class:`FusedStagedWriter`). ``import jaxbuf``
-needs only numpy; torch, JAX, Triton and cuda-bindings are imported when first used.
+needs only numpy; torch, JAX, Triton and cuda-bindings are imported when first used, torch and
+JAX only by their adapters in :mod:`jaxbuf.interop`.
 """
 
+from . import interop  # the framework adapters: jaxbuf.interop.register adds a framework
 from .devices import Device, as_device, default_device
 from .dtypes import DType, canonical_dtype
 from .extensible import ExtensibleTensor, granule_size
@@ -21,6 +23,7 @@ from .uva import (
 )
 from .views import BufferView
 
+# The one source of the version: pyproject.toml reads this literal ([tool.setuptools.dynamic]).
 __version__ = "0.1.0"
 
 __all__ = [

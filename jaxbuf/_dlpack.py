@@ -1,18 +1,21 @@
 """DLPack structs and capsule builders, in ctypes (producer side only).
 
 Layouts follow ``dlpack.h`` (v1.x). A capsule's payload is one ``malloc`` block holding the
-managed tensor followed by its ``shape`` and ``strides`` arrays, so the deleter is libc
-``free`` itself: it releases exactly what the capsule allocated, needs no GIL and never calls
-into Python (JAX calls the deleter, possibly on another thread or at exit). The *memory* the
-tensor points at is never freed by a deleter: it belongs to the producing buffer.
+managed tensor followed by its ``shape`` and ``strides`` arrays. Its ``manager_ctx`` holds an
+:class:`ExportAnchor` (a C object: a strong reference to the allocation plus a count of live
+exports) or NULL for a view over foreign memory; its deleter, in C (``_capsule.c``), frees the
+block, then takes the GIL and drops the anchor, and only frees the block while the interpreter
+is finalizing. The memory the tensor points at is never freed by a deleter directly: it belongs
+to the allocation, released when the anchor drops it.
 
 An unconsumed capsule is freed by the C destructor in ``_capsule.c``, which also holds the
 capsule names as static strings (a name must outlive capsules alive at interpreter exit).
 
 A view packs its payload once (``pack_payload``, a ``struct`` format checked against the ctypes
 layouts); each export is then one C call, ``_capsule.new_capsule``, which copies the payload
-into a malloc block, points the shape/strides fields at it and wraps it in a capsule. Writing
-ctypes fields one by one, as the seed does, costs several microseconds per capsule.
+into a malloc block, points the shape/strides fields at it, sets ``manager_ctx`` and the
+deleter, and wraps it in a capsule. Writing ctypes fields one by one, as the seed does, costs
+several microseconds per capsule.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ import struct
 from functools import lru_cache
 
 from . import _capsule
+from ._capsule import ExportAnchor
+
+__all__ = ["DLPACK_VERSION", "ExportAnchor", "anchor_for", "new_capsule", "pack_payload"]
 
 DLPACK_VERSION = (1, 0)
 FLAG_READ_ONLY = 1  # DLPACK_FLAG_BITMASK_READ_ONLY
-
+FLAG_IS_COPIED = 2  # DLPACK_FLAG_BITMASK_IS_COPIED: the producer copied for this export
 
 
 class DLDevice(ctypes.Structure):
@@ -60,8 +66,8 @@ class DLManagedTensor(ctypes.Structure):
 
     _fields_ = [
         ("dl_tensor", DLTensor),
-        ("manager_ctx", ctypes.c_void_p),  # unused by jaxbuf: NULL
-        ("deleter", ctypes.c_void_p),  # void (*)(DLManagedTensor *): libc free
+        ("manager_ctx", ctypes.c_void_p),  # the ExportAnchor (a PyObject *), or NULL
+        ("deleter", ctypes.c_void_p),  # void (*)(DLManagedTensor *): LEGACY_DELETER_ADDRESS
     ]
 
 
@@ -74,8 +80,8 @@ class DLManagedTensorVersioned(ctypes.Structure):
 
     _fields_ = [
         ("version", DLPackVersion),
-        ("manager_ctx", ctypes.c_void_p),  # unused by jaxbuf: NULL
-        ("deleter", ctypes.c_void_p),  # void (*)(DLManagedTensorVersioned *): libc free
+        ("manager_ctx", ctypes.c_void_p),  # the ExportAnchor (a PyObject *), or NULL
+        ("deleter", ctypes.c_void_p),  # void (*)(DLManagedTensorVersioned *): see below
         ("flags", ctypes.c_uint64),  # DLPACK_FLAG_BITMASK_*
         ("dl_tensor", DLTensor),
     ]
@@ -88,13 +94,15 @@ _LEGACY_FORMAT = "<" + _DLTENSOR_FORMAT + "QQ"
 _VERSIONED_FORMAT = "<IIQQQ" + _DLTENSOR_FORMAT
 _LEGACY_SIZE = struct.calcsize(_LEGACY_FORMAT)
 _VERSIONED_SIZE = struct.calcsize(_VERSIONED_FORMAT)
-if _LEGACY_SIZE != ctypes.sizeof(DLManagedTensor) or _VERSIONED_SIZE != ctypes.sizeof(
-    DLManagedTensorVersioned
-):  # pragma: no cover - a platform with unexpected struct layout
+_CTYPES_SIZES = (ctypes.sizeof(DLManagedTensor), ctypes.sizeof(DLManagedTensorVersioned))
+if _CTYPES_SIZES != (_LEGACY_SIZE, _VERSIONED_SIZE):  # pragma: no cover - unexpected layout
     raise ImportError("DLPack struct layout differs from the packed format on this platform")
 
-_libc = ctypes.CDLL(None)
-FREE_ADDRESS: int = ctypes.cast(_libc.free, ctypes.c_void_p).value  # every capsule's deleter
+# Every capsule's deleter, by layout (set by new_capsule, not packed).
+LEGACY_DELETER_ADDRESS: int = _capsule.LEGACY_DELETER_ADDRESS
+VERSIONED_DELETER_ADDRESS: int = _capsule.VERSIONED_DELETER_ADDRESS
+# libc free: a valid deleter for an anchor-less block (the benchmark's seed-style capsule).
+FREE_ADDRESS: int = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p).value
 _LEGACY_TENSOR_OFFSET = 0
 _VERSIONED_TENSOR_OFFSET = ctypes.sizeof(DLManagedTensorVersioned) - ctypes.sizeof(DLTensor)
 
@@ -127,28 +135,45 @@ def pack_payload(
     *,
     versioned: bool = False,
     read_only: bool = False,
+    is_copied: bool = False,
 ) -> Payload:
     """Pack a managed tensor over ``data`` with row-major strides, ready for :func:`new_capsule`.
 
-    The shape/strides pointers are left NULL: they are set to the capsule's own block.
+    A tensor with no elements gets a NULL ``data`` pointer (dlpack.h asks for it, and no
+    consumer may read there). The shape/strides pointers, ``manager_ctx`` and the deleter are
+    left NULL: :func:`new_capsule` sets them. ``read_only`` and ``is_copied`` are flags of the
+    versioned layout only (the legacy one has no flags).
     """
     ndim = len(shape)
+    if 0 in shape:
+        data = 0
     tensor = (data, device_type, device_id, ndim, dtype_code, dtype_bits, 1, 0, 0, 0)
     dims = (*shape, *contiguous_strides(shape))
     packer = _packer(versioned, ndim)
     if versioned:
-        flags = FLAG_READ_ONLY if read_only else 0
-        payload = packer.pack(*DLPACK_VERSION, 0, FREE_ADDRESS, flags, *tensor, *dims)
+        flags = (FLAG_READ_ONLY if read_only else 0) | (FLAG_IS_COPIED if is_copied else 0)
+        payload = packer.pack(*DLPACK_VERSION, 0, 0, flags, *tensor, *dims)
         return payload, _VERSIONED_TENSOR_OFFSET, _VERSIONED_SIZE, True
-    payload = packer.pack(*tensor, 0, FREE_ADDRESS, *dims)
+    payload = packer.pack(*tensor, 0, 0, *dims)
     return payload, _LEGACY_TENSOR_OFFSET, _LEGACY_SIZE, False
 
 
-def new_capsule(payload: Payload):
+def new_capsule(payload: Payload, anchor: ExportAnchor | None = None):
     """A fresh ``dltensor`` (or ``dltensor_versioned``) capsule from a packed payload.
 
-    The capsule owns one malloc block (struct + shape + strides): a consumer frees it through
-    the deleter (libc ``free``), an unconsumed capsule in its C destructor. The tensor's data is
-    not owned.
+    The capsule owns one malloc block (struct + shape + strides) and, when ``anchor`` is given,
+    one reference to it (counted in ``anchor.live_exports``): a consumer releases both through
+    the deleter, an unconsumed capsule in its C destructor. ``anchor=None`` (a view over
+    foreign memory) keeps nothing alive.
     """
-    return _capsule.new_capsule(*payload)
+    return _capsule.new_capsule(*payload, anchor)
+
+
+# anchor_for(owner) -> ExportAnchor | None, in C (it runs on every export): the anchor an
+# export of ``owner``'s memory must hold, after ``owner.check_exportable()`` (which raises once
+# the owner is freed). None for ``owner=None`` (foreign memory). An owner following the owner
+# contract (``jaxbuf._owner``) returns its one ``ExportAnchor`` from ``export_anchor``; anything
+# else (an object to keep alive, or an owner without the property, kept alive itself) gets the
+# anchor ``_capsule.anchor_of`` shares among the live exports of that object, made and dropped
+# with them.
+anchor_for = _capsule.anchor_for

@@ -1,6 +1,9 @@
 """Segment layout shared by :class:`~jaxbuf.ExtensibleTensor` and its import into another
 process (:class:`~jaxbuf.sharing.ImportedBuffer`): both are a reservation split into
 segments, each with a committed prefix, seen through uint8 :class:`~jaxbuf.views.BufferView`s.
+
+Both own the memory their views show, so the owner contract
+(:class:`jaxbuf._owner.MemoryOwner`) is implemented here, once.
 """
 
 from __future__ import annotations
@@ -9,19 +12,23 @@ from typing import Any
 
 from jaxbuf._checks import as_int
 from jaxbuf.devices import Device
+from jaxbuf.drivers.base import VmmDriver
 from jaxbuf.dtypes import uint8
 from jaxbuf.views import BufferView
 
 
 class SegmentedReservation:
     """Views and layout properties over ``_segment_offsets``, ``_segment_capacities`` and
-    ``_committed`` (committed prefix size of each segment), on ``_device`` through ``_driver``.
+    ``_committed`` (committed prefix size of each segment), on ``_device`` through ``_driver``,
+    and the owner contract of those views (:class:`jaxbuf._owner.MemoryOwner`).
 
-    Subclasses set those attributes and implement :meth:`_live_base_ptr`.
+    Subclasses set those attributes and ``_ready_event`` (the driver event after their last
+    producer work, or None) and implement :meth:`_live_base_ptr`.
     """
 
     _device: Device
-    _driver: Any
+    _driver: VmmDriver
+    _ready_event: Any
     _segment_offsets: list[int]
     _segment_capacities: list[int]
     _committed: list[int]
@@ -50,9 +57,29 @@ class SegmentedReservation:
             )
         return self._view(self._segment_offsets[i], self._committed[i])
 
+    # -- the owner contract (jaxbuf._owner.MemoryOwner) ------------------------------------
     @property
     def device(self) -> Device:
         return self._device
+
+    @property
+    def driver(self) -> VmmDriver:
+        """The driver that allocated the reservation."""
+        return self._driver
+
+    @property
+    def ready_event(self) -> Any:
+        """The driver event after the pending producer work (a zeroing memset), or None."""
+        return self._ready_event
+
+    def check_exportable(self) -> None:
+        """RuntimeError naming the buffer once it is freed or closed."""
+        self._live_base_ptr()
+
+    @property
+    def export_anchor(self) -> object:
+        """What an export keeps alive: the buffer itself (see :mod:`jaxbuf._owner`)."""
+        return self
 
     @property
     def committed_sizes(self) -> list[int]:

@@ -36,9 +36,9 @@ PREFILL_LENGTHS = (13, 5, 30, 40)
 TOLERANCE = 1e-4
 
 
-def run_decode_demo(device: Any, steps: int = 20,
-                    progress: Callable[[dict[str, Any]], None] | None = None
-                    ) -> list[dict[str, Any]]:  # fmt: skip
+def run_decode_demo(
+    device: Any, steps: int = 20, progress: Callable[[dict[str, Any]], None] | None = None
+) -> list[dict[str, Any]]:
     """Prefill four sequences, then decode ``steps`` tokens each; one record per step.
 
     Each record holds ``step``, ``committed_bytes`` (the cache's committed length, K + V),
@@ -95,13 +95,20 @@ def run_decode_demo(device: Any, steps: int = 20,
             weights = jax.nn.softmax(jnp.where(valid, scores, -jnp.inf), axis=-1)
             return jnp.einsum("st,std->sd", weights, v_cache[rows])
 
-        cache = ExtensibleTensor(2 * max_pages * page_bytes, device=device,
-                                 segment_capacities=[max_pages * page_bytes] * 2)  # fmt: skip
+        cache = ExtensibleTensor(
+            2 * max_pages * page_bytes,
+            device=device,
+            segment_capacities=[max_pages * page_bytes] * 2,
+        )
         block_table = meta_pool = None
         records: list[dict[str, Any]] = []
         try:
-            block_table = StagedWriteTensor((NUM_SEQS, MAX_BLOCKS), "int32", device=device,
-                                            backend="triton" if device.is_cuda else "numpy")
+            block_table = StagedWriteTensor(
+                (NUM_SEQS, MAX_BLOCKS),
+                "int32",
+                device=device,
+                backend="triton" if device.is_cuda else "numpy",
+            )
             bt_jax = block_table.to_jax()  # aliases the table: reads the latest entries
             bt_torch = block_table.to_torch()
             meta_pool = UvaBufferPool((NUM_SEQS, 2), "int32", device=device, framework="jax")
@@ -121,14 +128,21 @@ def run_decode_demo(device: Any, steps: int = 20,
             def cache_views():
                 rows = num_pages * BLOCK
                 k, v = (cache.segment_view(i) for i in (0, 1))
-                return ((k.to_torch(dtype=torch.float32, shape=(rows, dim)),
-                         v.to_torch(dtype=torch.float32, shape=(rows, dim))),
-                        (k.to_jax(dtype=jnp.float32, shape=(rows, dim)),
-                         v.to_jax(dtype=jnp.float32, shape=(rows, dim))))  # fmt: skip
+                return (
+                    (
+                        k.to_torch(dtype=torch.float32, shape=(rows, dim)),
+                        v.to_torch(dtype=torch.float32, shape=(rows, dim)),
+                    ),
+                    (
+                        k.to_jax(dtype=jnp.float32, shape=(rows, dim)),
+                        v.to_jax(dtype=jnp.float32, shape=(rows, dim)),
+                    ),
+                )
 
             def write_kv(k_torch, v_torch, seqs, positions, slots) -> None:
-                k_new, v_new = make_kv(jnp.asarray(seqs, jnp.int32),
-                                       jnp.asarray(positions, jnp.int32))  # fmt: skip
+                k_new, v_new = make_kv(
+                    jnp.asarray(seqs, jnp.int32), jnp.asarray(positions, jnp.int32)
+                )
                 k_new.block_until_ready()
                 index = torch.as_tensor(np.asarray(slots, np.int64), device=torch_device)
                 k_torch.index_copy_(0, index, torch.from_dlpack(k_new))
@@ -147,9 +161,12 @@ def run_decode_demo(device: Any, steps: int = 20,
                     angle = (t[:n, None] + 1).float() * freqs_torch + s
                     q = torch.cos(float(n) * freqs_torch)
                     out = torch.softmax(k_rows @ q / dim**0.5, dim=0) @ v_rows
-                    worst = max(worst, float((k_rows - torch.sin(angle)).abs().max()),
-                                float((v_rows - torch.cos(angle)).abs().max()),
-                                float((out - jax_out[s]).abs().max()))  # fmt: skip
+                    worst = max(
+                        worst,
+                        float((k_rows - torch.sin(angle)).abs().max()),
+                        float((v_rows - torch.cos(angle)).abs().max()),
+                        float((out - jax_out[s]).abs().max()),
+                    )
                 return worst
 
             # Prefill: pages for every sequence, one block-table launch, the K/V rows.
@@ -161,8 +178,9 @@ def run_decode_demo(device: Any, steps: int = 20,
             (k_torch, v_torch), (k_jax, v_jax) = cache_views()
             seqs = np.repeat(np.arange(NUM_SEQS), lengths)
             positions = np.concatenate([np.arange(n) for n in lengths])
-            write_kv(k_torch, v_torch, seqs, positions,
-                     [slot_of(s, p) for s, p in zip(seqs, positions)])  # fmt: skip
+            write_kv(
+                k_torch, v_torch, seqs, positions, [slot_of(s, p) for s, p in zip(seqs, positions)]
+            )
             sync()
 
             for step in range(steps):
@@ -175,8 +193,7 @@ def run_decode_demo(device: Any, steps: int = 20,
                 slots = [slot_of(s, int(lengths[s])) for s in range(NUM_SEQS)]
                 positions = lengths.copy()
                 lengths += 1
-                meta = meta_pool.copy_to_uva(
-                    np.stack([lengths, slots], axis=1).astype(np.int32))
+                meta = meta_pool.copy_to_uva(np.stack([lengths, slots], axis=1).astype(np.int32))
                 block_table.apply_write()  # nothing staged: nothing launched
                 if new_pages:  # the committed length changed: new views of it
                     (k_torch, v_torch), (k_jax, v_jax) = cache_views()

@@ -4,6 +4,11 @@ Accepted: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, an ``int`` (a CUDA index), a ``to
 ``jax.Device`` and a :class:`Device`. Parsing needs no framework: torch and JAX objects are
 recognised by their attributes. Whether the device exists is the driver's question, asked by
 :func:`jaxbuf.drivers.get_vmm_driver` and the buffers.
+
+Devices are plain values at the bottom of the import graph: this module imports no driver
+(:func:`default_device` asks the probe the drivers register in :mod:`jaxbuf._platforms`) and
+no framework (:meth:`Device.torch` / :meth:`Device.jax` ask the framework adapters of
+:mod:`jaxbuf.interop`, imported when called).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from typing import Any
+
+from . import _platforms
 
 PLATFORMS = ("cpu", "cuda")
 _ALIASES = {"gpu": "cuda"}  # JAX calls CUDA devices "gpu"
@@ -31,20 +38,17 @@ class Device:
         return self.platform == "cuda"
 
     def torch(self) -> Any:
-        """This device as a ``torch.device``."""
-        import torch
+        """This device as a ``torch.device`` (through the torch adapter)."""
+        from . import interop
 
-        return torch.device("cpu") if self.platform == "cpu" else torch.device(str(self))
+        return interop.get("torch").device(self)
 
     def jax(self) -> Any:
-        """This device as a ``jax.Device`` (the JAX device with this local index)."""
-        import jax
+        """This device as a ``jax.Device``, the JAX device with this local index (through the
+        JAX adapter; ValueError when JAX has no such device)."""
+        from . import interop
 
-        backend = "cpu" if self.platform == "cpu" else "gpu"
-        devices = jax.local_devices(backend=backend)
-        if self.index >= len(devices):
-            raise ValueError(f"JAX has no {backend} device {self.index} ({len(devices)} found)")
-        return devices[self.index]
+        return interop.get("jax").device(self)
 
 
 def _parse_string(spec: str) -> Device:
@@ -96,7 +100,6 @@ def as_device(spec: Any) -> Device:
 
 
 def default_device() -> Device:
-    """CUDA device 0 when the CUDA driver works here, else the CPU."""
-    from .drivers import cuda_unavailable_reason
-
-    return Device("cpu") if cuda_unavailable_reason() else Device("cuda", 0)
+    """CUDA device 0 when the CUDA driver works here, else the CPU (the drivers' probe, see
+    :mod:`jaxbuf._platforms`)."""
+    return Device(_platforms.default_platform(), 0)

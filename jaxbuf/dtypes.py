@@ -1,14 +1,15 @@
 """One dtype vocabulary for numpy, torch, JAX and DLPack.
 
 ``canonical_dtype`` accepts a numpy dtype (or scalar type), a torch dtype, a JAX dtype and a
-string, and returns a :class:`DType`. Frameworks are imported only when a caller asks for a
-framework's own dtype object.
+string, and returns a :class:`DType`. Framework dtype objects are recognised, and made
+(:meth:`DType.torch`, :meth:`DType.jax`), by the framework adapters of :mod:`jaxbuf.interop`,
+imported when needed: this module imports no framework.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ K_DL_INT = 0
 K_DL_UINT = 1
 K_DL_FLOAT = 2
 K_DL_BFLOAT = 4
+K_DL_COMPLEX = 5
 K_DL_BOOL = 6
 
 
@@ -35,14 +37,16 @@ class DType:
         return _numpy_dtype(self.name)
 
     def torch(self) -> Any:
-        import torch
+        """This dtype as a ``torch.dtype`` (through the torch adapter)."""
+        from . import interop
 
-        return getattr(torch, self.name)
+        return interop.get("torch").dtype(self)
 
     def jax(self) -> Any:
-        import jax.numpy as jnp
+        """This dtype as JAX's dtype (through the JAX adapter)."""
+        from . import interop
 
-        return jnp.dtype(self.name)
+        return interop.get("jax").dtype(self)
 
     def __str__(self) -> str:
         return self.name
@@ -58,6 +62,8 @@ _DTYPES = {
         DType("bfloat16", 2, K_DL_BFLOAT),
         DType("float32", 4, K_DL_FLOAT),
         DType("float64", 8, K_DL_FLOAT),
+        DType("complex64", 8, K_DL_COMPLEX),
+        DType("complex128", 16, K_DL_COMPLEX),
     ]
 }
 
@@ -66,7 +72,7 @@ SUPPORTED_DTYPES: tuple[str, ...] = tuple(_DTYPES)
 uint8 = _DTYPES["uint8"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _numpy_dtype(name: str) -> np.dtype:
     if name == "bfloat16":
         try:
@@ -79,16 +85,37 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+class _NonNativeByteOrder(TypeError):
+    """Raised through ``canonical_dtype``'s unhashable-input fallback, which catches TypeError."""
+
+
 @lru_cache(maxsize=256)
 def _canonical_by_key(key: Any) -> DType | None:
-    name = key if isinstance(key, str) else str(key)
-    name = name.removeprefix("torch.").removeprefix("dtype(").strip("')\"")
+    if isinstance(key, str):
+        # Spellings copied from reprs are accepted: "torch.float32", "dtype('int32')".
+        name = key.removeprefix("torch.").removeprefix("dtype(").strip("')\"")
+    else:
+        # A framework's dtype object (torch.float32, jnp.bfloat16) is named by its adapter;
+        # anything else (numpy dtypes and scalar types) by numpy.
+        from . import interop
+
+        name = interop.dtype_name(key)
+        if name is None:
+            name = str(key)
     if name in _DTYPES:
         return _DTYPES[name]
     try:
-        return _DTYPES.get(np.dtype(key).name)
+        numpy_dtype = np.dtype(key)
     except (TypeError, ValueError):
         return None
+    if not numpy_dtype.isnative:
+        # DLPack has no byte order: exporting '>i4' as int32 would hand out swapped values.
+        raise _NonNativeByteOrder(
+            f"dtype {key!r} has non-native byte order ({numpy_dtype.str!r}); DLPack describes "
+            f"native-order data only: convert it first, e.g. array.astype("
+            f"{numpy_dtype.newbyteorder('=').str!r})"
+        )
+    return _DTYPES.get(numpy_dtype.name)
 
 
 def canonical_dtype(dtype: Any) -> DType:
@@ -107,6 +134,8 @@ def canonical_dtype(dtype: Any) -> DType:
         raise TypeError(f"dtype must be a dtype or a dtype name, got {dtype!r}")
     try:
         result = _canonical_by_key(dtype)
+    except _NonNativeByteOrder:
+        raise
     except TypeError:  # unhashable input
         result = None
     if result is None:

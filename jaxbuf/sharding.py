@@ -10,7 +10,8 @@ JAX arrays cannot keep the buffers alive: keep every buffer alive and unfreed wh
 (or anything computed lazily from it) is in use. As with any JAX array over mutable memory,
 make a new array after writing to the buffers through another framework.
 
-JAX is imported lazily, inside the function.
+The JAX calls go through the JAX adapter (:class:`jaxbuf.interop.jax.JaxAdapter`); this module
+imports no framework.
 
 Examples
 --------
@@ -32,7 +33,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from jaxbuf import _dlpack
+from jaxbuf import _dlpack, interop
 from jaxbuf._checks import as_shape
 from jaxbuf.devices import as_device
 from jaxbuf.drivers.base import K_DL_CPU
@@ -104,21 +105,20 @@ class _HostShardExport:
             raise BufferError("jaxbuf views are zero-copy: copy=True is not supported")
         if stream is not None and stream != -1:
             raise BufferError(f"stream must be None for a CPU view, got {stream!r}")
-        return _dlpack.new_capsule(self._payload)
+        # The capsule holds the view's owner's anchor, as the view's own exports do.
+        return _dlpack.new_capsule(self._payload, _dlpack.anchor_for(self._view.owner))
 
 
-def _shard_to_jax(view: BufferView, jax_device: Any) -> Any:
-    """``view`` as a single-device JAX array on ``jax_device``, zero-copy."""
-    import jax.dlpack
-
+def _shard_to_jax(jax: Any, view: BufferView, jax_device: Any) -> Any:
+    """``view`` as a single-device JAX array on ``jax_device``, zero-copy (``jax``: the JAX
+    adapter)."""
     if view.device.is_cuda:
-        array = view.to_jax()
+        array = jax.from_view(view)
     else:
         hardware_id = getattr(jax_device, "local_hardware_id", None)
         hardware_id = 0 if hardware_id is None else int(hardware_id)
-        array = view.to_jax() if hardware_id == 0 else jax.dlpack.from_dlpack(
-            _HostShardExport(view, hardware_id)
-        )
+        exporter = view if hardware_id == 0 else _HostShardExport(view, hardware_id)
+        array = jax.from_dlpack(exporter)
     if array.devices() != {jax_device}:
         raise ValueError(
             f"the shard over {view} landed on {array.devices()}, not on the mesh device "
@@ -157,24 +157,16 @@ def sharded_jax_array(
     their buffers must then hold the same values. All validation happens before any
     framework array is made; errors name the offending buffer.
     """
-    import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
     from jaxbuf.extensible import ExtensibleTensor
 
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {mesh!r}")
-    if spec is None:
-        spec = PartitionSpec()
-    elif not isinstance(spec, PartitionSpec):
-        if not isinstance(spec, (tuple, list)):
-            raise TypeError(f"spec must be a PartitionSpec or a tuple of its entries, got {spec!r}")
-        spec = PartitionSpec(*spec)
+    jax = interop.get("jax")
+    spec, sharding = jax.named_sharding(mesh, spec)
     dt = canonical_dtype(dtype)
-    if jax.dtypes.canonicalize_dtype(dt.numpy) != dt.numpy:
+    stored = jax.canonical_numpy_dtype(dt.numpy)
+    if stored != dt.numpy:
         raise ValueError(
-            f"JAX would convert {dt} to {jax.dtypes.canonicalize_dtype(dt.numpy)} (a copy); "
-            "enable jax_enable_x64 or use a 32-bit dtype"
+            f"JAX would convert {dt} to {stored} (a copy); enable jax_enable_x64 or use a "
+            "32-bit dtype"
         )
     shard_shape = _as_shape(shard_shape)
     if isinstance(buffers, (str, bytes)) or not isinstance(buffers, Iterable):
@@ -186,7 +178,6 @@ def sharded_jax_array(
             f"expected one buffer per mesh device ({len(devices)}), got {len(buffers)}"
         )
     global_shape = global_shape_of(mesh, spec, shard_shape)
-    sharding = NamedSharding(mesh, spec)
     if tuple(sharding.shard_shape(global_shape)) != shard_shape:
         raise ValueError(
             f"shard shape {shard_shape} does not divide into {spec} over the mesh "
@@ -204,11 +195,12 @@ def sharded_jax_array(
             expected.is_cuda and actual.index != expected.index
         ):
             raise ValueError(
-                f"buffers[{i}] lives on {actual} but mesh device {i} is {jax_device} "
-                f"({expected})"
+                f"buffers[{i}] lives on {actual} but mesh device {i} is {jax_device} ({expected})"
             )
-        if isinstance(segment, bool) or not isinstance(segment, int) or not (
-            0 <= segment < buffer.num_segments
+        if (
+            isinstance(segment, bool)
+            or not isinstance(segment, int)
+            or not (0 <= segment < buffer.num_segments)
         ):
             raise IndexError(
                 f"segment {segment!r} out of range for buffers[{i}] with "
@@ -221,7 +213,7 @@ def sharded_jax_array(
                 f"{shard_shape} shard of {dt} needs {nbytes}"
             )
     arrays = [
-        _shard_to_jax(buffer.segment_view(segment).view(dt, shard_shape), jax_device)
+        _shard_to_jax(jax, buffer.segment_view(segment).view(dt, shard_shape), jax_device)
         for buffer, jax_device in zip(buffers, devices)
     ]
-    return jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)
+    return jax.assemble(global_shape, sharding, arrays)

@@ -46,12 +46,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _frameworks
+from . import interop
 from ._checks import as_count
 from ._checks import as_int as _as_index
+from ._errors import Cleanup, attempt
 from ._lifetime import release_when_collected
-from .devices import Device, as_device, default_device
-from .drivers import get_vmm_driver
+from ._resolve import resolve
+from .devices import Device
 from .drivers.base import VmmDriver
 from .dtypes import DType, canonical_dtype
 from .views import BufferView
@@ -123,20 +124,6 @@ def _check_max_concurrency(max_concurrency: Any) -> int:
     return as_count(max_concurrency, "max_concurrency")
 
 
-def _resolve(device: Any, driver: VmmDriver | None) -> tuple[Device, VmmDriver]:
-    if device is None:
-        device = default_device() if driver is None else Device(driver.platform, 0)
-    else:
-        device = as_device(device)
-    if driver is None:
-        driver = get_vmm_driver(device)
-    elif not isinstance(driver, VmmDriver):
-        raise TypeError(f"driver must be a VmmDriver, got {driver!r}")
-    if driver.platform != device.platform:
-        raise ValueError(f"device {device} does not match the driver's platform {driver.platform!r}")
-    return device, driver
-
-
 def _check_backend(backend: Any, device: Device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -175,13 +162,11 @@ def _to_numpy(values: Any) -> np.ndarray:
                                 and max(values[0], values[-1]) < 2**63):  # fmt: skip
             raise ValueError(f"{values!r} does not fit in int64")
         return np.arange(values.start, values.stop, values.step, dtype=np.int64)
-    if _frameworks.is_torch_tensor(values):
-        tensor = values.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()  # a device-to-host copy: staging data lives on the host
-        return _frameworks.torch_to_numpy(tensor.resolve_conj().resolve_neg())
-    if _frameworks.is_jax_array(values):
-        return _frameworks.jax_to_numpy(values)
+    adapter = interop.adapter_for(values)
+    if adapter is not None:
+        # A framework's array (torch, JAX, ...): staging data lives on the host, so a device
+        # array is copied there.
+        return adapter.to_numpy(values)
     if isinstance(values, (str, bytes, bytearray, memoryview, dict, set, frozenset)) or not hasattr(
         values, "__iter__"
     ):
@@ -347,7 +332,7 @@ class StagedWriteTensor:
         shape, num_rows, row_len = _target_shape(size)
         dtype = _check_dtype(dtype)
         max_concurrency = _check_max_concurrency(max_concurrency)
-        device, driver = _resolve(device, driver)
+        device, driver = resolve(device, driver)
         backend = _check_backend(backend, device)
         self.shape = shape
         self.dtype = dtype
@@ -470,8 +455,9 @@ class StagedWriteTensor:
                 data = _convert([value], self._np_dtype, self.dtype.name).tobytes()
         else:
             if kind is _ndarray or np.isscalar(value) or getattr(value, "ndim", None) == 0:
-                items = np.asarray(value).reshape(1) if not _frameworks.is_torch_tensor(value) \
-                    else value.reshape(1)  # fmt: skip
+                adapter = interop.adapter_for(value)
+                items = (np.asarray(value) if adapter is None else adapter.to_numpy(value))
+                items = items.reshape(1)
             else:
                 raise TypeError(
                     f"value must be one number, got {type(value).__name__}; use stage_write "
@@ -523,13 +509,28 @@ class StagedWriteTensor:
             )  # fmt: skip
         writer.apply((self,), stream=stream)
 
-    # -- the target ------------------------------------------------------------------------
+    # -- the owner contract of ``gpu`` (jaxbuf._owner.MemoryOwner) ----------------------------
     @property
-    def _ready_event(self) -> Any:
-        """The event after the last applied writes (read by :class:`BufferView` exports)."""
+    def driver(self) -> VmmDriver:
+        return self._driver
+
+    @property
+    def ready_event(self) -> Any:
+        """The event after the last applied writes (a consumer stream waits on it)."""
         applied = self._applied
         return None if applied is None else applied.handle
 
+    def check_exportable(self) -> None:
+        if self._freed:
+            raise RuntimeError("the StagedWriteTensor is freed")
+
+    @property
+    def export_anchor(self) -> object:
+        # This tensor, not its target's anchor: collecting the tensor frees the target
+        # (__del__), so exports must keep the tensor itself alive until issue 12's anchors.
+        return self
+
+    # -- the target ------------------------------------------------------------------------
     @property
     def gpu(self) -> BufferView:
         """The target as a DLPack-consumable view (shape ``size``, dtype ``dtype``)."""
@@ -667,7 +668,7 @@ class FusedStagedWriter:
         if not 1 <= max_writes < 1 << 31:  # one launch counts its writes in int32
             raise ValueError(f"max_writes must be in [1, 2**31), got {max_writes}")
         max_concurrency = _check_max_concurrency(max_concurrency)
-        device, driver = _resolve(device, driver)
+        device, driver = resolve(device, driver)
         self.backend = _check_backend(backend, device)
         self.device = device
         self.max_writes = max_writes
@@ -800,11 +801,8 @@ class FusedStagedWriter:
         reuse; ``error`` gets notes saying so."""
         for t in tensors:
             t._applied = None
-        try:
-            self._driver.synchronize(self.device.index)
-        except Exception as sync_error:  # noqa: BLE001 - reported as a note
-            error.add_note(f"synchronizing after the failed event record failed too: "
-                           f"{sync_error!r}")  # fmt: skip
+        what = "synchronizing after the failed event record"
+        attempt(error, what, self._driver.synchronize, self.device.index)
         error.add_note("the staged writes were launched and are applied; they are no longer "
                        "staged")  # fmt: skip
 
@@ -912,20 +910,12 @@ class FusedStagedWriter:
                 events[i] = None
         self._slot_i64 = [None] * len(slots)
         self._slot_capacities = [0] * len(slots)
-        errors: list[BaseException] = []
+        cleanup = Cleanup("FusedStagedWriter.close")
         for held in (slots, buffers):
             for i, slot in enumerate(held):
-                if slot is not None:
-                    try:
-                        slot.free()
-                    except Exception as error:  # noqa: BLE001 - re-raised below
-                        errors.append(error)
-                        continue
+                if slot is not None and cleanup.run(slot.free):
                     held[i] = None
-        if errors:
-            for other in errors[1:]:
-                errors[0].add_note(f"FusedStagedWriter.close: also failed: {other!r}")
-            raise errors[0]
+        cleanup.raise_first()
 
     free = close
 
@@ -1007,20 +997,24 @@ def _clear_staged(tensors: Sequence[StagedWriteTensor], stagers: Any) -> None:
 
 
 def _host_ints(values: Any) -> list:
-    if _frameworks.is_torch_tensor(values) or _frameworks.is_jax_array(values):
-        return np.asarray(values.tolist() if hasattr(values, "tolist") else values).tolist()
-    if isinstance(values, np.ndarray):
-        return values.tolist()
+    """A sequence, numpy array or framework array (torch, JAX, any device) as a list."""
+    if type(values) is list or type(values) is tuple:
+        return list(values)
+    adapter = interop.adapter_for(values)
+    if adapter is not None:
+        return adapter.to_numpy(values).tolist()
     return list(values)
 
 
 def _raw_stream(stream: Any, device: Device) -> int:
-    """The CUDA stream handle to launch on: ``stream``'s, or torch's current stream's."""
+    """The CUDA stream handle to launch on: ``stream``'s, or the current stream of the loaded
+    framework that has one (torch's: :func:`jaxbuf.interop.current_stream`), 0 for the legacy
+    default stream."""
     if stream is None:
-        torch = _frameworks.loaded_module("torch")
-        if torch is None or not torch.cuda.is_initialized():
-            return 0
-        return torch._C._cuda_getCurrentRawStream(device.index)
+        dlpack_stream = interop.current_stream(device)
+        # DLPack numbers the legacy default stream 1; CUDA's handle for it is 0. Any other
+        # number (2, the per-thread stream, or a handle) is the CUDA handle itself.
+        return 0 if dlpack_stream == interop.DLPACK_LEGACY_STREAM else dlpack_stream
     handle = getattr(stream, "cuda_stream", stream)
     if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
         raise TypeError(f"stream must be a torch.cuda.Stream or a CUDA stream handle, got {stream!r}")

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 from jaxbuf.drivers.base import DriverError, VmmDriver
 
-__all__ = ["FAULT_KINDS", "FaultInjectingDriver", "InjectedFault", "InvariantError"]
+__all__ = ["FAULT_KINDS", "DriverCall", "FaultInjectingDriver", "InjectedFault", "InvariantError"]
 
 #: Every kind of call the driver counts and can fail, in :class:`VmmDriver` order.
 FAULT_KINDS = (
@@ -156,6 +156,21 @@ class InjectedFault(NamedTuple):
     message: str
 
 
+class DriverCall(NamedTuple):
+    """One call in :attr:`FaultInjectingDriver.log` (kept with ``record_calls=True``).
+
+    ``kind`` is a :data:`FAULT_KINDS` name, or ``"set_access_many"``: that call is logged
+    (with ``devices``) but not counted, since it is made of one counted, faultable
+    ``set_access`` per device, logged after it. ``call_index`` is the global index of a
+    counted call (None for ``set_access_many``); ``args`` are the call's details, pointers as
+    hex strings, as in an injected error's message. A call that failed is logged too.
+    """
+
+    kind: str
+    call_index: int | None
+    args: dict[str, Any]
+
+
 class _Fault:
     __slots__ = ("kind", "nth", "error")
 
@@ -173,6 +188,8 @@ class FaultInjectingDriver(VmmDriver):
     ----------
     inner : VmmDriver
         The driver doing the work (``get_vmm_driver("cpu")``, ``CudaVmmDriver()``, ...).
+    record_calls : bool
+        Keep every call in :attr:`log` (default False: a long run keeps nothing).
     simulate_events : bool
         When ``inner`` returns no event (the CPU driver), return a stand-in object from
         ``record_ready_event`` / ``record_event`` instead of None, and handle the event calls
@@ -193,6 +210,8 @@ class FaultInjectingDriver(VmmDriver):
     violations : list of str
         Protocol errors seen at call time (release of an unknown handle, ...); also raised by
         :meth:`check_invariants`.
+    log : list of DriverCall
+        Every call in order, when ``record_calls`` (empty otherwise); clear it at will.
 
     Counted kinds are :data:`FAULT_KINDS`; ``unavailable_reason`` and ``device_count`` are
     passed through uncounted. Not thread-safe.
@@ -200,7 +219,9 @@ class FaultInjectingDriver(VmmDriver):
 
     total_faults_injected = 0
 
-    def __init__(self, inner: VmmDriver, *, simulate_events: bool = False) -> None:
+    def __init__(
+        self, inner: VmmDriver, *, simulate_events: bool = False, record_calls: bool = False
+    ) -> None:
         if not isinstance(inner, VmmDriver):
             raise TypeError(f"inner must be a VmmDriver, got {inner!r}")
         self.inner = inner
@@ -214,6 +235,8 @@ class FaultInjectingDriver(VmmDriver):
         self.faults_injected = 0
         self.injected: list[InjectedFault] = []
         self.violations: list[str] = []
+        self.record_calls = bool(record_calls)
+        self.log: list[DriverCall] = []
         self._faults: list[_Fault] = []
         # Live state. Handles and events are keyed by id() and the object is kept, so an id
         # cannot be reused while it is tracked.
@@ -267,6 +290,8 @@ class FaultInjectingDriver(VmmDriver):
         index = self.call_count
         self.call_count += 1
         self.calls[kind] += 1
+        if self.record_calls:
+            self.log.append(DriverCall(kind, index, details))
         if not self._faults:
             return
         count = self.calls[kind]
@@ -430,8 +455,13 @@ class FaultInjectingDriver(VmmDriver):
         for entry in covered:
             entry[2] = True
 
-    # ``set_access_many`` keeps the base class's default: one counted ``set_access`` per
-    # device, so each grant can fail on its own.
+    def set_access_many(self, ptr: int, size: int, device_indices: Any) -> None:
+        # The base class's default: one counted ``set_access`` per device, so each grant can
+        # fail on its own. Only logged here, so a test sees which calls were grouped.
+        if self.record_calls:
+            args = {"ptr": hex(ptr), "size": size, "devices": tuple(device_indices)}
+            self.log.append(DriverCall("set_access_many", None, args))
+        super().set_access_many(ptr, size, device_indices)
 
     def can_access_peer(self, device_index: int, peer_index: int) -> bool:
         return self.inner.can_access_peer(device_index, peer_index)

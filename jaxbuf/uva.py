@@ -27,13 +27,16 @@ import ctypes
 import functools
 import logging
 import math
+from collections import defaultdict
 from typing import Any
 
 import numpy as np
 
-from . import _frameworks
+from . import interop
 from ._checks import as_count, as_int, as_shape
+from ._errors import Cleanup
 from ._lifetime import release_when_collected
+from ._resolve import resolve
 from .devices import Device, as_device, default_device
 from .drivers import DriverError, get_vmm_driver
 from .drivers.base import K_DL_CPU, VmmDriver
@@ -57,7 +60,6 @@ _logger = logging.getLogger(__name__)
 #: written. A constant documenting the constructor default, not a setting.
 DEFAULT_MAX_CONCURRENCY = 2
 
-_FRAMEWORKS = ("view", "torch", "jax")
 _GUARD_MODES = {False: None, True: "wait", "wait": "wait", "raise": "raise"}
 # Distinct lengths whose framework arrays a slot keeps; past it the cache starts over, so a
 # workload with unbounded distinct lengths costs one DLPack import per call, not memory.
@@ -73,15 +75,26 @@ def _as_shape(size: Any) -> tuple[int, ...]:
     return dims
 
 
-def _resolve(device: Any, driver: VmmDriver | None) -> tuple[Device, VmmDriver]:
-    device = default_device() if device is None else as_device(device)
-    if driver is None:
-        return device, get_vmm_driver(device)
-    if not isinstance(driver, VmmDriver):
-        raise TypeError(f"driver must be a VmmDriver, got {driver!r}")
-    if driver.platform != device.platform:
-        raise ValueError(f"device {device} does not match the driver's platform {driver.platform!r}")
-    return device, driver
+def _pool_adapter(framework: Any) -> interop.FrameworkAdapter | None:
+    """The adapter a pool hands out arrays of (None for ``"view"``): a registered framework
+    of device arrays. ValueError naming anything else; ImportError when it is missing."""
+    if framework == "view":
+        return None
+    try:
+        adapter = interop.get(framework)
+    except (ValueError, TypeError):
+        adapter = None
+    if adapter is None or not adapter.device_arrays:
+        detail = (
+            f"{framework!r} has no device arrays"
+            if adapter is not None
+            else f"registered: {', '.join(interop.names())}"
+        )
+        raise ValueError(
+            "framework must be 'view', None or the name of a registered framework of device "
+            f"arrays ({detail}), got {framework!r}"
+        )
+    return adapter
 
 
 # -- the probe ----------------------------------------------------------------------------
@@ -156,16 +169,33 @@ class _PinnedHostMemory:
     the driver may already be torn down, and the process is ending anyway.
     """
 
-    __slots__ = ("host_ptr", "device_ptr", "nbytes", "device", "_driver", "_ready_event")
+    __slots__ = ("host_ptr", "device_ptr", "nbytes", "device", "_driver")
 
     def __init__(self, driver: VmmDriver, nbytes: int, device: Device) -> None:
         self.host_ptr = 0
         self._driver = driver
-        self._ready_event = None  # host writes are synchronous: nothing to wait for
         # host_alloc refuses 0 bytes; an empty buffer still gets a valid pointer.
         self.host_ptr, self.device_ptr = driver.host_alloc(max(nbytes, 1), device.index)
         self.nbytes = nbytes
         self.device = device
+
+    # -- the owner contract (jaxbuf._owner.MemoryOwner) ------------------------------------
+    @property
+    def driver(self) -> VmmDriver:
+        return self._driver
+
+    @property
+    def ready_event(self) -> None:
+        """Always None: host writes are synchronous, there is nothing to wait for."""
+        return None
+
+    def check_exportable(self) -> None:
+        if not self.host_ptr:
+            raise RuntimeError("the pinned host memory (of a UvaBuffer) is freed")
+
+    @property
+    def export_anchor(self) -> object:
+        return self
 
     def free(self) -> None:
         # The pointer is dropped only once host_free succeeded, so a retry frees it.
@@ -200,8 +230,10 @@ class _BufferBase:
         if self.nbytes >= 1 << 63:
             raise ValueError(f"size {shape} of {dtype} is {self.nbytes} bytes, past 2**63")
         self._arrays: dict[str, Any] = {}
-        # framework -> {rows: array over the first rows of the device memory}
-        self._caches: dict[str, dict[int, Any]] = {name: {} for name in _FRAMEWORKS}
+        # framework ("view" or an adapter name) -> {rows: array over the first rows of the
+        # device memory}
+        self._caches: defaultdict[str, dict[int, Any]] = defaultdict(dict)
+        self._ready_event: Any = None
         self._closed = False
 
     def __len__(self) -> int:
@@ -222,6 +254,24 @@ class _BufferBase:
         if self._closed:
             raise ValueError(f"{type(self).__name__} is freed")
 
+    # -- the owner contract (jaxbuf._owner.MemoryOwner) --------------------------------------
+    @property
+    def driver(self) -> VmmDriver:
+        return self._driver
+
+    @property
+    def ready_event(self) -> Any:
+        """The driver event after the last host-to-device copy (NonUvaBuffer), or None."""
+        return self._ready_event
+
+    def check_exportable(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the {type(self).__name__} is freed")
+
+    @property
+    def export_anchor(self) -> object:
+        return self
+
     def _check_rows(self, n: int | None) -> int:
         if n is None:
             return self.shape[0]
@@ -234,20 +284,22 @@ class _BufferBase:
         return self._device_view.view(shape=(n, *self.shape[1:]))
 
     def _cached(self, framework: str, n: int) -> Any:
-        """The device array of the first ``n`` rows for ``framework``, made once per length."""
+        """The device array of the first ``n`` rows for ``framework`` ("view" or an adapter
+        name), made once per length."""
         cache = self._caches[framework]
         array = cache.get(n)
         if array is None:
             self._check_open()
-            view = self._rows_view(n)
-            array = view if framework == "view" else (
-                view.to_torch() if framework == "torch" else view.to_jax()
-            )
-            if framework == "jax":
-                # Never cache a jax.Array over memory that changes: JAX treats arrays as
-                # immutable and caches their host value (np.asarray of a reused GPU array
-                # returned the previous step's rows). Each call imports afresh.
-                return array
+            array = self._rows_view(n)
+            if framework != "view":
+                adapter = interop.get(framework)
+                array = adapter.from_view(array)
+                if not adapter.mutable_arrays:
+                    # Never cache an array of a framework that treats arrays as immutable
+                    # over memory that changes: JAX caches an array's host value (np.asarray
+                    # of a reused GPU array returned the previous step's rows). Each call
+                    # imports afresh.
+                    return array
             if len(cache) >= _MAX_CACHED_LENGTHS:
                 cache.clear()
             cache[n] = array
@@ -260,10 +312,14 @@ class _BufferBase:
             array = self._arrays[name] = make()
         return array
 
+    def _host_array(self, adapter: interop.FrameworkAdapter) -> Any:
+        """``adapter``'s host array over ``np`` (made on first use, then cached)."""
+        return self._lazy(f"host:{adapter.name}", lambda: adapter.host_array(self.np))
+
     @property
     def cpu(self) -> Any:
         """A torch CPU tensor over the host memory (made on first use, then cached)."""
-        return self._lazy("cpu", lambda: _frameworks.numpy_to_torch(self.np))
+        return self._host_array(interop.get("torch"))
 
     @property
     def view(self) -> BufferView:
@@ -341,7 +397,7 @@ class UvaBuffer(_BufferBase):
                  driver: VmmDriver | None = None) -> None:  # fmt: skip
         self._memory: _PinnedHostMemory | None = None
         shape, dtype = _as_shape(size), canonical_dtype(dtype)
-        device, driver = _resolve(device, driver)
+        device, driver = resolve(device, driver)
         self._init_common(shape, dtype, device)
         self._driver = driver
         self._memory = memory = _PinnedHostMemory(driver, self.nbytes, device)
@@ -383,6 +439,11 @@ class UvaBuffer(_BufferBase):
         # The device already sees the host memory: nothing to copy.
         return self._cached(framework, n)
 
+    @property
+    def export_anchor(self) -> object:
+        """The pinned block (the owner of this buffer's views), which holds the memory."""
+        return self._memory
+
     def free(self) -> None:
         """Release the pinned memory. Safe to call more than once; arrays made from the
         buffer must not be used afterwards."""
@@ -416,7 +477,7 @@ class NonUvaBuffer(_BufferBase):
         self._device_memory = None
         self._ready_event = None
         shape, dtype = _as_shape(size), canonical_dtype(dtype)
-        device, driver = _resolve(device, driver)
+        device, driver = resolve(device, driver)
         self._init_common(shape, dtype, device)
         self._driver = driver
         self.np = np.zeros(shape, dtype.numpy)
@@ -453,14 +514,17 @@ class NonUvaBuffer(_BufferBase):
 
     def _publish(self, framework: str, n: int) -> Any:
         array = self._cached(framework, n)
-        if framework == "torch" and self.device.is_cuda:
-            # On torch's current stream: ordered with the tensor's readers, no event needed.
+        adapter = None if framework == "view" else interop.get(framework)
+        if adapter is not None and adapter.mutable_arrays and self.device.is_cuda:
+            # A reused array imported before this copy: copy on the framework's current
+            # stream instead (torch), ordered with the array's readers, no event needed.
             if n:
-                array.copy_(self.cpu[:n], non_blocking=True)
+                adapter.copy_into(array, self._host_array(adapter)[:n])
             return array
         self._copy_rows(n)
-        if framework == "jax" and self._ready_event is not None:
-            # The array was imported before this copy was enqueued: wait for the copy.
+        if adapter is not None and self._ready_event is not None:
+            # The array was imported before this copy was enqueued and its consumer passes no
+            # stream to a view: wait for the copy.
             self._driver.event_synchronize(self._ready_event)
         return array
 
@@ -499,11 +563,13 @@ class UvaBufferPool:
     Each :meth:`copy_to_uva` takes the next of ``max_concurrency`` slots, writes ``x`` into
     its host memory and returns the device-visible first ``len(x)`` rows, as the pool's
     ``framework`` says: a :class:`BufferView` (``"view"``, the default), a torch tensor
-    (``"torch"``) or a JAX array (``"jax"``). Views and torch tensors are made once per slot
-    and length and reused, so a step pays no DLPack import; the same object comes back for
-    the same slot and length, so do not change its metadata in place (``resize_``,
-    ``unsqueeze_``). JAX arrays are imported afresh on every call (about 40 µs on a GPU):
-    JAX treats arrays as immutable and caches their host value, so a reused one reads stale.
+    (``"torch"``), a JAX array (``"jax"``) or the array of any framework registered with
+    :func:`jaxbuf.interop.register`. Views and torch tensors (arrays of mutable frameworks)
+    are made once per slot and length and reused, so a step pays no DLPack import; the same
+    object comes back for the same slot and length, so do not change its metadata in place
+    (``resize_``, ``unsqueeze_``). JAX arrays are imported afresh on every call (about 40 µs
+    on a GPU): JAX treats arrays as immutable and caches their host value, so a reused one
+    reads stale.
     A slot whose input is longer than it is is replaced by one whose first dimension is
     the next power of two.
 
@@ -513,8 +579,10 @@ class UvaBufferPool:
     consumer stream at each call, covering the readers of the slot handed out by the
     previous call, and waits for it before writing that slot again; ``guarded="raise"``
     raises ``RuntimeError`` instead (nothing written), to find too-small pools in tests.
-    The consumer stream is the ``stream`` argument, else torch's current stream when torch
-    has initialised CUDA, else the legacy default stream; enqueue a slot's readers on it
+    The consumer stream is the ``stream`` argument, else the pool framework's current
+    stream, else the first loaded framework's that has one (torch's once torch has
+    initialised CUDA: :func:`jaxbuf.interop.current_stream`), else the legacy default
+    stream; enqueue a slot's readers on it
     before the next call. On the CPU there is no asynchronous work and guarding is free.
 
     Not thread-safe: one thread drives a pool.
@@ -530,8 +598,9 @@ class UvaBufferPool:
     buffer_cls : type, optional
         :class:`UvaBuffer` or :class:`NonUvaBuffer`; default: UvaBuffer when
         :func:`is_uva_available`, else NonUvaBuffer (with a logged warning).
-    framework : {"view", "torch", "jax"}, optional
-        What the hot path returns; None means "view".
+    framework : {"view", "torch", "jax"} or a registered adapter's name, optional
+        What the hot path returns; None means "view". ``ImportError`` naming the extra when
+        the framework is not installed.
     guarded : bool or {"wait", "raise"}
     driver : VmmDriver, optional
     """
@@ -555,11 +624,10 @@ class UvaBufferPool:
             max_concurrency = DEFAULT_MAX_CONCURRENCY
         max_concurrency = as_count(max_concurrency, "max_concurrency")
         framework = "view" if framework is None else framework
-        if framework not in _FRAMEWORKS:
-            raise ValueError(f"framework must be one of {_FRAMEWORKS} or None, got {framework!r}")
+        adapter = _pool_adapter(framework)
         if not isinstance(guarded, (bool, str)) or guarded not in _GUARD_MODES:
             raise ValueError(f"guarded must be False, True, 'wait' or 'raise', got {guarded!r}")
-        device, driver = _resolve(device, driver)
+        device, driver = resolve(device, driver)
         if buffer_cls is None:
             reason = uva_unavailable_reason(device) if driver is get_vmm_driver(device) else None
             buffer_cls = UvaBuffer if reason is None else NonUvaBuffer
@@ -572,6 +640,7 @@ class UvaBufferPool:
         self.device = device
         self.max_concurrency = max_concurrency
         self.framework = framework
+        self._adapter = adapter  # None for "view"
         self.guarded = _GUARD_MODES[guarded]
         self._driver = driver
         self._row_shape = shape[1:]
@@ -586,7 +655,8 @@ class UvaBufferPool:
         self._hosts = [slot.np for slot in self._slots]
         self._host_ptrs = [slot.np.ctypes.data for slot in self._slots]
         self._row_bytes = math.prod(self._row_shape) * dtype.itemsize
-        self._torch_dtype = None  # set when the first torch input arrives
+        # Input type -> the adapter recognising it, so a foreign array costs one dict lookup.
+        self._input_adapters: dict[type, interop.FrameworkAdapter] = {}
         self._capacities = [shape[0]] * max_concurrency
         self._uva = buffer_cls is not NonUvaBuffer and issubclass(buffer_cls, UvaBuffer)
         # Guarded mode: per-slot event covering its readers; the slot handed out last.
@@ -616,23 +686,27 @@ class UvaBufferPool:
     def copy_to_gpu(self, x: Any, out: Any = None, stream: Any = None) -> Any:
         """A device copy of ``x``: written into ``out`` and returned, or a new array.
 
-        ``out`` may be a torch tensor (copied on torch's current stream, non-blocking, so
-        ordered with the stream's other work) or a JAX array. JAX arrays are immutable to
-        JAX: the copy overwrites ``out``'s buffer in place on the driver's stream and waits
-        for it, so only pass an ``out`` that no pending JAX computation reads. Without
-        ``out``: a JAX copy from a "jax" pool, else a torch clone (torch's current stream).
+        ``out`` may be an array of any framework of device arrays (a torch tensor, a JAX
+        array). A mutable one (torch) is written by the framework on its current stream,
+        non-blocking, so ordered with the stream's other work. Arrays a framework treats as
+        immutable (JAX) are overwritten in place: the copy goes into ``out``'s buffer on the
+        driver's stream and is waited for, so only pass an ``out`` that no pending JAX
+        computation reads. Without ``out``: a copy made by the pool's framework (a torch
+        clone for a "view" pool), on that framework's stream.
         """
         if out is not None:
-            if _frameworks.is_torch_tensor(out):
-                self._check_out_device(out.device, out)
-                return _frameworks.torch_copy(out, self._copy_as("torch", x, stream))
-            if _frameworks.is_jax_array(out):
-                self._check_out_device(next(iter(out.devices())), out)
-                return self._copy_into_jax(x, out, stream)
-            raise TypeError(f"out must be a torch tensor or a JAX array, got {type(out).__name__}")
-        if self.framework == "jax":
-            return _frameworks.jax_copy(self.copy_to_uva(x, stream))
-        return _frameworks.torch_clone(self._copy_as("torch", x, stream))
+            adapter = interop.adapter_for(out)
+            if adapter is None or not adapter.device_arrays:
+                raise TypeError(
+                    "out must be an array of a framework of device arrays (a torch tensor, a "
+                    f"JAX array), got {type(out).__name__}"
+                )
+            self._check_out_device(adapter.array_device(out), out)
+            if adapter.mutable_arrays:
+                return adapter.copy_into(out, self._copy_as(adapter.name, x, stream))
+            return self._copy_into_buffer(adapter, x, out, stream)
+        adapter = self._adapter or interop.get("torch")
+        return adapter.clone(self._copy_as(adapter.name, x, stream))
 
     def _check_out_device(self, framework_device: Any, out: Any) -> None:
         """``out`` must live on the pool's device: checked before any slot is written."""
@@ -645,20 +719,25 @@ class UvaBufferPool:
 
         Returns the row count; ``self._curr`` is the slot written.
         """
-        source = x if type(x) is np.ndarray else self._as_array(x)
+        ptr = None  # the address of a foreign host array to copy with one memmove
+        if type(x) is np.ndarray:
+            source = x
+        else:
+            source, ptr = self._as_source(x)
         shape = source.shape
         if shape[1:] != self._row_shape or not shape:
             raise ValueError(
                 f"input of shape {shape} does not match the pool's rows of shape "
                 f"{self._row_shape}: expected (n, *{self._row_shape})"
             )
-        castable = self._castable.get(source.dtype)
-        if castable is None:
-            castable = self._castable[source.dtype] = bool(
-                np.can_cast(source.dtype, self._np_dtype, casting="same_kind")
-            )
-        if not castable:
-            raise TypeError(f"cannot write {source.dtype} data into a {self.dtype} pool")
+        if ptr is None:  # numpy data: a foreign array with a pointer has the pool's dtype
+            castable = self._castable.get(source.dtype)
+            if castable is None:
+                castable = self._castable[source.dtype] = bool(
+                    np.can_cast(source.dtype, self._np_dtype, casting="same_kind")
+                )
+            if not castable:
+                raise TypeError(f"cannot write {source.dtype} data into a {self.dtype} pool")
         n = shape[0]
         i = self._curr + 1
         if i == self.max_concurrency:
@@ -667,10 +746,10 @@ class UvaBufferPool:
             self._guard(i, stream)
         if n > self._capacities[i]:
             self._grow(i, n)
-        if source.__class__ is np.ndarray:
+        if ptr is None:
             self._hosts[i][:n] = source
-        else:  # a contiguous CPU torch tensor of the pool's dtype: one memmove
-            ctypes.memmove(self._host_ptrs[i], source.data_ptr(), n * self._row_bytes)
+        else:  # a C-contiguous host array of the pool's dtype (a CPU torch tensor): one memmove
+            ctypes.memmove(self._host_ptrs[i], ptr, n * self._row_bytes)
         self._curr = i
         return n
 
@@ -679,7 +758,11 @@ class UvaBufferPool:
         n = self._write(x, stream)
         return self._slots[self._curr]._publish(framework, n)
 
-    def _copy_into_jax(self, x: Any, out: Any, stream: Any) -> Any:
+    def _copy_into_buffer(
+        self, adapter: interop.FrameworkAdapter, x: Any, out: Any, stream: Any
+    ) -> Any:
+        """Write ``x`` into the buffer of ``out``, an immutable framework array, through the
+        driver, and wait for the copy."""
         if tuple(out.shape[1:]) != self._row_shape or canonical_dtype(out.dtype) != self.dtype:
             raise ValueError(
                 f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected rows of "
@@ -691,7 +774,7 @@ class UvaBufferPool:
         nbytes = math.prod(view.shape) * self.dtype.itemsize
         if nbytes:
             driver, index = self._driver, self.device.index
-            driver.copy(_frameworks.jax_buffer_pointer(out), view.ptr, nbytes, index)
+            driver.copy(adapter.buffer_pointer(out), view.ptr, nbytes, index)
             event = driver.record_ready_event(index)
             if event is not None:
                 try:
@@ -701,35 +784,37 @@ class UvaBufferPool:
         return out
 
     # -- helpers ------------------------------------------------------------------------
-    def _as_array(self, x: Any) -> np.ndarray:
+    def _as_source(self, x: Any) -> tuple[Any, int | None]:
+        """``(numpy array, None)`` for ``x``, or ``(x, address)`` when ``x`` is a foreign host
+        array of the pool's dtype that can be copied in place (a contiguous CPU torch
+        tensor): ``_write`` then copies it with one memmove, skipping numpy."""
         if isinstance(x, (list, tuple)):
             if len(x) == 0:
-                return np.empty((0, *self._row_shape), self._np_dtype)
+                return np.empty((0, *self._row_shape), self._np_dtype), None
             try:
-                return np.asarray(x)
+                return np.asarray(x), None
             except ValueError as error:
                 raise ValueError(f"cannot convert the input to an array: {error}") from None
         if isinstance(x, np.ndarray):
-            return x
-        if _frameworks.is_torch_tensor(x):
-            if self._torch_dtype is None:
-                self._torch_dtype = self.dtype.torch()
-                self._castable[self._torch_dtype] = True
-            if (x.is_cpu and x.dtype is self._torch_dtype and not x.requires_grad
-                    and x.is_contiguous()):  # fmt: skip
-                return x  # _write copies it with one memmove, skipping numpy
-            return _frameworks.torch_to_numpy(x)
-        if _frameworks.is_jax_array(x):
-            return _frameworks.jax_to_numpy(x)
-        raise TypeError(
-            f"copy_to_uva takes a list, tuple, numpy array, CPU torch tensor or JAX array, "
-            f"got {type(x).__name__}"
-        )
+            return x, None
+        adapter = self._input_adapters.get(type(x))
+        if adapter is None:
+            adapter = interop.adapter_for(x)
+            if adapter is None:
+                raise TypeError(
+                    "copy_to_uva takes a list, tuple, numpy array, CPU torch tensor, JAX array "
+                    f"or another registered framework's array, got {type(x).__name__}"
+                )
+            self._input_adapters[type(x)] = adapter
+        ptr = adapter.host_pointer(x, self.dtype)
+        if ptr is not None:
+            return x, ptr
+        return adapter.to_numpy(x, device_copy=False), None
 
     def _consumer_stream(self, stream: Any) -> int:
         if stream is None:
-            return _frameworks.torch_current_stream(self.device)
-        return _frameworks.as_dlpack_stream(stream)
+            return interop.current_stream(self.device, self._adapter)
+        return interop.as_dlpack_stream(stream)
 
     def _guard(self, i: int, stream: Any) -> None:
         """Record the previous hand-out's event; wait for (or refuse) slot ``i``'s."""
@@ -807,19 +892,9 @@ class UvaBufferPool:
             if event is not None:
                 self._driver.event_synchronize(event)
                 self._set_event(index, None)
-        errors: list[BaseException] = []
-        remaining = []
-        for slot in self._slots:
-            try:
-                slot.free()
-            except Exception as error:  # noqa: BLE001 - re-raised below
-                errors.append(error)
-                remaining.append(slot)
-        self._slots = remaining
-        if errors:
-            for other in errors[1:]:
-                errors[0].add_note(f"UvaBufferPool.close: also failed: {other!r}")
-            raise errors[0]
+        cleanup = Cleanup("UvaBufferPool.close")
+        self._slots = [slot for slot in self._slots if not cleanup.run(slot.free)]
+        cleanup.raise_first()
 
     free = close
 
@@ -868,7 +943,7 @@ class UvaBackedTensor:
     def cpu(self) -> Any:
         """A torch CPU tensor sharing ``np``'s memory (made on first use)."""
         if self._cpu is None:
-            self._cpu = _frameworks.numpy_to_torch(self.np)
+            self._cpu = interop.get("torch").host_array(self.np)
         return self._cpu
 
     def copy_to_uva(self, n: int | None = None, stream: Any = None) -> Any:
@@ -887,10 +962,12 @@ def async_copy_to_device(x: Any, device: Any = None, dtype: Any = None,
                          framework: str = "torch") -> Any:  # fmt: skip
     """Host data (list, numpy, CPU torch) to a new device array without blocking the host.
 
-    The seed's ``async_tensor_h2d``, for torch (``pin_memory()`` + non-blocking copy; torch's
-    host allocator keeps the staging block until the copy is done) and JAX
-    (``jax.device_put``). For repeated small copies a :class:`UvaBufferPool` is faster.
+    The seed's ``async_tensor_h2d``, through the ``framework`` adapter's own staging: torch
+    (``pin_memory()`` + non-blocking copy; torch's host allocator keeps the staging block
+    until the copy is done), JAX (``jax.device_put``) or any registered framework. For
+    repeated small copies a :class:`UvaBufferPool` is faster.
     """
+    adapter = interop.get(framework)
     device = default_device() if device is None else as_device(device)
     dtype = None if dtype is None else canonical_dtype(dtype)
-    return _frameworks.async_copy_to_device(x, device, dtype, framework)
+    return adapter.to_device(x, device, dtype)

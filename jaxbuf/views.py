@@ -6,7 +6,10 @@ does, and every framework array made from a view aliases the owner's memory. Kee
 alive (and unfreed) while such arrays are in use; ``to_numpy`` and ``to_torch`` tie the owner's
 lifetime to the array they return, JAX arrays cannot carry such a reference.
 
-torch and JAX are imported on first use, inside the ``to_*`` methods.
+The owner is reached only through the owner contract (:class:`jaxbuf._owner.MemoryOwner`:
+``ready_event``, ``driver``, ``check_exportable``, ``export_anchor``). ``to_torch`` and
+``to_jax`` hand the view to the framework adapters of :mod:`jaxbuf.interop`; this module
+imports no framework.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _dlpack
+from . import _dlpack, interop
 from ._checks import as_int, as_shape
 from .devices import Device
 from .drivers.base import K_DL_CPU, K_DL_CUDA, K_DL_CUDA_HOST, K_DL_ROCM, K_DL_ROCM_HOST
@@ -27,18 +30,83 @@ _STREAM_DEVICE_TYPES = (K_DL_CUDA, K_DL_CUDA_HOST, K_DL_ROCM, K_DL_ROCM_HOST)
 
 
 class _NumpyHolder:
-    """Carries ``__array_interface__`` and the owner, so a numpy array keeps the owner alive."""
+    """Hands ``np.from_dlpack`` one prepared capsule (numpy takes only objects with
+    ``__dlpack__``): the array then owns the export like any consumer, holding its anchor
+    (the memory) and counting in its live exports until it is gone."""
 
-    __slots__ = ("__array_interface__", "owner")
+    __slots__ = ("capsule",)
 
-    def __init__(self, ptr: int, nbytes: int, owner: Any) -> None:
-        self.__array_interface__ = {
-            "data": (ptr, False),
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "version": 3,
-        }
-        self.owner = owner
+    def __init__(self, capsule: Any) -> None:
+        self.capsule = capsule
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (K_DL_CPU, 0)
+
+
+def _check_pair(value: Any, name: str) -> None:
+    """``value`` must be a tuple of two ints (an IntEnum counts: DLPack device types are)."""
+    if type(value) is tuple and len(value) == 2 and type(value[0]) is type(value[1]) is int:
+        return  # the common case, checked cheaply: max_version comes with every export
+    ints = isinstance(value, tuple) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    )
+    if not ints or len(value) != 2:
+        raise TypeError(f"{name} must be None or a tuple of two ints, got {value!r}")
+
+
+def _wait_for_producer(owner: Any) -> None:
+    """Block until the owner's pending device work (its ``ready_event``) is done."""
+    event = getattr(owner, "ready_event", None)
+    if event is not None:
+        owner.driver.event_synchronize(event)
+
+
+def _copy_capsule(view: BufferView, device_type: int, device_id: int, versioned: bool):
+    """A capsule over a fresh copy of ``view``'s bytes, on the host (``device_type`` kDLCPU) or
+    on the view's own device, kept alive by the capsule alone (``copy=True`` of the array API:
+    the producer owns the copy). The copy is complete when this returns."""
+    nbytes = math.prod(view.shape) * view.dtype.itemsize
+    owner = view.owner
+    anchor_target: Any = None
+    data = 0  # no elements: NULL data, nothing to copy or keep alive
+    if nbytes:
+        from .drivers import get_vmm_driver
+
+        driver = getattr(owner, "driver", None) or get_vmm_driver(view.device)
+        index = view.device.index
+        if device_type == K_DL_CPU:
+            anchor_target = np.empty(nbytes, np.uint8)
+            data = anchor_target.ctypes.data
+        else:  # the view's device: memory jaxbuf allocates, as for any buffer
+            from .extensible import ExtensibleTensor
+
+            anchor_target = ExtensibleTensor(nbytes, device=view.device, driver=driver)
+            anchor_target.resize_segments_([nbytes])
+            data = anchor_target.base_ptr
+        # On the producer stream, so after the owner's pending writes; waited for, so any
+        # consumer stream (and the host) sees the finished copy.
+        driver.copy(data, view.ptr, nbytes, index)
+        event = driver.record_event(1, index)
+        if event is not None:
+            try:
+                driver.event_synchronize(event)
+            finally:
+                driver.destroy_event(event)
+    dtype = view.dtype
+    payload = _dlpack.pack_payload(
+        data,
+        device_type,
+        device_id,
+        dtype.dlpack_code,
+        dtype.itemsize * 8,
+        view.shape,
+        versioned=versioned,
+        is_copied=True,
+    )
+    return _dlpack.new_capsule(payload, _dlpack.anchor_for(anchor_target))
 
 
 class BufferView:
@@ -124,81 +192,144 @@ class BufferView:
         """Export as a DLPack capsule (array-API semantics).
 
         A versioned capsule is returned only when ``max_version`` asks for major version 1 or
-        more; otherwise a legacy ``dltensor`` capsule (what JAX asks for). On CUDA, ``stream``
-        is the consumer's stream: it is made to wait for the owner's pending writes; ``-1``
-        means no synchronisation, ``None`` the legacy default stream (which jaxbuf's own work
-        runs on). ``BufferError`` for what cannot be honoured: ``copy=True``, another device.
+        more; otherwise a legacy ``dltensor`` capsule (what JAX asks for). The capsule keeps
+        the owner's memory alive (``owner.export_anchor``) until the consumer's array is gone.
+        On CUDA, ``stream`` is the consumer's stream: it is made to wait for the owner's
+        pending writes; ``-1`` means no synchronisation, ``None`` the legacy default stream
+        (which jaxbuf's own work runs on).
+
+        ``copy=True`` returns a capsule over a copy the capsule owns; ``dl_device`` may name
+        the view's own device or, for any view, the host ``(kDLCPU, 0)``: a CUDA view is then
+        copied to host memory (unless ``copy=False``), a pinned view is exported in place.
+        ``BufferError`` for what cannot be honoured (another device, ``copy=False`` when a copy
+        is needed); ``TypeError`` for malformed arguments; the owner's ``RuntimeError`` once it
+        has been freed.
         """
-        if copy:
-            raise BufferError("jaxbuf views are zero-copy: copy=True is not supported")
-        for name, value in (("max_version", max_version), ("dl_device", dl_device)):
-            if value is not None and not (
-                isinstance(value, tuple) and len(value) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-            ):
-                raise TypeError(f"{name} must be None or a tuple of two ints, got {value!r}")
-        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
-            raise BufferError(
-                f"cannot export to device {tuple(dl_device)}: the view lives on "
-                f"{self.__dlpack_device__()}"
-            )
+        versioned = False
+        if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool)):
+            raise TypeError(f"stream must be None or an int, got {stream!r}")
+        if max_version is not None:
+            _check_pair(max_version, "max_version")
+            versioned = max_version[0] >= 1
+        device_type = self.dlpack_device_type
+        if dl_device is not None or copy is not None:
+            if copy is not None:
+                if not isinstance(copy, (bool, np.bool_)):
+                    raise TypeError(f"copy must be True, False or None, got {copy!r}")
+                copy = bool(copy)
+            own_device = self.__dlpack_device__()
+            if dl_device is not None:
+                _check_pair(dl_device, "dl_device")
+                dl_device = (int(dl_device[0]), dl_device[1])
+            if dl_device is None or dl_device == own_device:
+                dl_device = own_device
+            elif dl_device == (K_DL_CPU, 0) and device_type in _HOST_DEVICE_TYPES:
+                device_type = K_DL_CPU  # pinned host memory: the host reads it in place
+                if not copy:  # a host consumer has no stream: wait for pending device writes
+                    _wait_for_producer(self.owner)
+            elif dl_device == (K_DL_CPU, 0) and device_type in _STREAM_DEVICE_TYPES:
+                if copy is False:
+                    raise BufferError(
+                        f"exporting this view on {self.device} to the host {dl_device} needs "
+                        "a copy, and copy=False forbids it"
+                    )
+                copy = True
+            else:
+                raise BufferError(
+                    f"cannot export to device {dl_device}: the view lives on {own_device}; "
+                    f"only {own_device} or the host (1, 0) can be asked for"
+                )
+            if dl_device[0] == K_DL_CPU and stream is not None and stream != -1:
+                raise BufferError(f"stream must be None for an export to the host, got {stream!r}")
+            if copy:
+                _dlpack.anchor_for(self.owner)  # a freed owner raises here too
+                return _copy_capsule(self, dl_device[0], dl_device[1], versioned)
+        anchor = _dlpack.anchor_for(self.owner)
         if stream is not None and stream != -1:
-            if self.dlpack_device_type not in _STREAM_DEVICE_TYPES:
+            if device_type not in _STREAM_DEVICE_TYPES:
                 raise BufferError(f"stream must be None for a CPU view, got {stream!r}")
+            if stream == 0 and device_type in (K_DL_CUDA, K_DL_CUDA_HOST):
+                raise BufferError(
+                    "stream 0 is ambiguous on CUDA (the array API disallows it): "
+                    "pass 1 for the legacy default stream, 2 for per-thread"
+                )
             self._order_stream(stream)
-        if max_version is not None and max_version[0] >= 1:
+        if device_type != self.dlpack_device_type:
+            return _dlpack.new_capsule(self._pack(versioned, device_type), anchor)
+        if versioned:
             if self._versioned_payload is None:
                 self._versioned_payload = self._pack(versioned=True)
-            return _dlpack.new_capsule(self._versioned_payload)
-        return _dlpack.new_capsule(self._legacy_payload)
+            return _dlpack.new_capsule(self._versioned_payload, anchor)
+        return _dlpack.new_capsule(self._legacy_payload, anchor)
 
     def _order_stream(self, stream: int) -> None:
-        """Make the consumer's ``stream`` wait for the owner's pending producer work."""
-        event = getattr(self.owner, "_ready_event", None)
+        """Make the consumer's ``stream`` wait for the owner's pending producer work (the
+        owner's ``ready_event``; an owner outside the contract, or None, has none)."""
+        owner = self.owner
+        event = getattr(owner, "ready_event", None)
         if event is not None:
-            self.owner._driver.stream_wait_event(stream, event, self.device.index)
+            owner.driver.stream_wait_event(stream, event, self.device.index)
 
-    def _pack(self, versioned: bool) -> _dlpack.Payload:
+    def _pack(self, versioned: bool, device_type: int | None = None) -> _dlpack.Payload:
+        """This view's managed tensor (``device_type`` overrides the device: a pinned view
+        exported to the host is ``(kDLCPU, 0)``)."""
+        if device_type is None:
+            device_type = self.dlpack_device_type
+        device_id = self.device.index if device_type != K_DL_CPU and self.device.is_cuda else 0
         return _dlpack.pack_payload(
-            self.ptr, self.dlpack_device_type, self.device.index if self.device.is_cuda else 0,
-            self.dtype.dlpack_code, self.dtype.itemsize * 8, self.shape, versioned=versioned,
+            self.ptr, device_type, device_id, self.dtype.dlpack_code, self.dtype.itemsize * 8,
+            self.shape, versioned=versioned,
         )  # fmt: skip
 
     # -- framework adapters -------------------------------------------------------------
     def to_numpy(self) -> np.ndarray:
-        """A numpy array over the same bytes (host memory only); it keeps the owner alive."""
+        """A numpy array over the same bytes (host memory only), zero-copy and writable.
+
+        The array is an export like a capsule: it keeps the owner's memory alive and counts
+        in its live exports until it (and every array derived from it) is gone.
+        """
         if self.dlpack_device_type not in _HOST_DEVICE_TYPES:
             raise BufferError(f"to_numpy needs host memory; this view is on {self.device}")
-        raw = np.asarray(_NumpyHolder(self.ptr, self.nbytes, self.owner))
-        count = math.prod(self.shape)
-        return raw[: count * self.dtype.itemsize].view(self.dtype.numpy).reshape(self.shape)
+        anchor = _dlpack.anchor_for(self.owner)
+        # Through numpy's DLPack importer (a versioned capsule, so the array is writable): the
+        # fastest way numpy builds an array that holds an object, and the same lifetime and
+        # count as any export. numpy cannot import bfloat16: its bits go as uint16.
+        bfloat16 = self.dtype.name == "bfloat16"
+        if self.dlpack_device_type == K_DL_CPU and not bfloat16:
+            if self._versioned_payload is None:
+                self._versioned_payload = self._pack(versioned=True)
+            payload = self._versioned_payload
+        else:
+            host = self.view("uint16", self.shape) if bfloat16 else self
+            payload = host._pack(True, K_DL_CPU)
+        array = np.from_dlpack(_NumpyHolder(_dlpack.new_capsule(payload, anchor)))
+        if getattr(self.owner, "read_only", False):  # mapped PROT_READ: a write would fault
+            array.flags.writeable = False
+        return array.view(self.dtype.numpy) if bfloat16 else array
 
     def to_torch(self, dtype: Any = None, shape: Any = None):
-        """A torch tensor over the same bytes, zero-copy, on this view's device.
-
-        The capsule goes straight to torch's C importer, skipping ``torch.from_dlpack``'s
-        Python-level protocol handling; pending producer work is ordered before torch's
-        current stream. The tensor keeps a reference to the owner.
+        """A torch tensor over the same bytes (as ``dtype`` / ``shape`` when given), zero-copy,
+        on this view's device, through the torch adapter
+        (:meth:`jaxbuf.interop.torch.TorchAdapter.from_view`): pending producer work is
+        ordered before torch's current stream, and the tensor keeps the owner's memory alive.
         """
-        import torch
-
         target = self if dtype is None and shape is None else self.view(dtype, shape)
-        if target.dlpack_device_type not in (K_DL_CPU, K_DL_CUDA, K_DL_ROCM):
-            raise BufferError(
-                f"torch cannot import DLPack device type {target.dlpack_device_type}; "
-                "use the device view of a pinned buffer"
-            )
-        if self.device.is_cuda and getattr(self.owner, "_ready_event", None) is not None:
-            stream = torch.cuda.current_stream(self.device.index).cuda_stream
-            # torch names the legacy default stream 0; DLPack reserves 0 and calls it 1.
-            target._order_stream(stream or 1)
-        tensor = torch._C._from_dlpack(_dlpack.new_capsule(target._legacy_payload))
-        tensor._jaxbuf_owner = self.owner
-        return tensor
+        adapter = _adapters.get("torch") or _adapter("torch")
+        return adapter.from_view(target)
 
     def to_jax(self, dtype: Any = None, shape: Any = None):
-        """A JAX array over the same bytes, zero-copy (through ``jax.dlpack.from_dlpack``)."""
-        import jax.dlpack
-
+        """A JAX array over the same bytes, zero-copy, through the JAX adapter
+        (``jax.dlpack.from_dlpack``)."""
         target = self if dtype is None and shape is None else self.view(dtype, shape)
-        return jax.dlpack.from_dlpack(target)
+        adapter = _adapters.get("jax") or _adapter("jax")
+        return adapter.from_view(target)
+
+
+# The adapters the to_* methods use, each looked up in the registry once: registry names are
+# never replaced, so a kept reference stays the registry's answer.
+_adapters: dict[str, Any] = {}
+
+
+def _adapter(name: str) -> Any:
+    adapter = _adapters[name] = interop.get(name)
+    return adapter

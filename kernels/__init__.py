@@ -2,14 +2,16 @@
 
 Importing this package needs only numpy. The Triton launcher lives in
 :mod:`jaxbuf.kernels.staged_write` and is imported on first use, so a machine without Triton can
-still use the numpy reference, selected explicitly.
+still use the numpy reference, selected explicitly; the JAX launcher (writes applied inside
+``jit``) in :mod:`jaxbuf.kernels.jax_staged`. Launchers are the one place outside
+:mod:`jaxbuf.interop` that may import a framework.
 """
 
 from .reference import (
     CONTENT_ALIGNMENT,
     GROUP_FIELDS,
-    IntsAt,
     WRITE_FIELDS,
+    IntsAt,
     address_of,
     apply_staged_writes_numpy,
     has_overlap,
@@ -45,6 +47,8 @@ def apply_staged_writes(*args, **kwargs):
     except ImportError as error:
         if getattr(error, "name", None) != "triton":
             raise
-        raise ImportError("jaxbuf.kernels.apply_staged_writes needs Triton; install it, or use "
-                          "apply_staged_writes_numpy explicitly") from error
+        raise ImportError(
+            "jaxbuf.kernels.apply_staged_writes needs Triton; install it, or use "
+            "apply_staged_writes_numpy explicitly"
+        ) from error
     return launch(*args, **kwargs)

@@ -4,16 +4,28 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import os
+import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from jaxbuf.__main__ import main
-from jaxbuf.bench import Row, format_bytes, format_seconds, select_suites, suite
+from jaxbuf.bench import (
+    SUITES,
+    Row,
+    Sizes,
+    SuiteSkipped,
+    format_bytes,
+    format_seconds,
+    missing_dependency,
+    require,
+    select_suites,
+    suite,
+)
 from jaxbuf.drivers import cuda_unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,12 +36,58 @@ needs_frameworks = pytest.mark.skipif(
 )
 
 
-def run_cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None):
+# Runs ``python -m jaxbuf`` as if the modules named in argv[1] (comma-separated) were not
+# installed: a wrapper around the path finder finds nothing for them, so ``import torch``
+# raises ModuleNotFoundError, ``importlib.util.find_spec("torch")`` is None and
+# importlib.metadata lists no torch distribution, as on a core-only install.
+HIDING_LAUNCHER = textwrap.dedent(
+    """
+    import importlib.machinery, runpy, sys
+
+    hidden = set(sys.argv.pop(1).split(","))
+    path_finder = importlib.machinery.PathFinder
+
+    class HidingFinder:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name.partition(".")[0] in hidden:
+                return None
+            return path_finder.find_spec(name, path, target)
+
+        @staticmethod
+        def invalidate_caches():
+            path_finder.invalidate_caches()
+
+        @staticmethod
+        def find_distributions(*args, **kwargs):  # importlib.metadata asks here
+            for dist in path_finder.find_distributions(*args, **kwargs):
+                if dist.metadata["Name"].lower().replace("-", "_") not in hidden:
+                    yield dist
+
+    sys.meta_path[:] = [HidingFinder if f is path_finder else f for f in sys.meta_path]
+    sys.argv[0] = "jaxbuf"
+    runpy.run_module("jaxbuf", run_name="__main__", alter_sys=True)
+    """
+)
+CORE_ONLY = ("torch", "triton", "jax", "jaxlib")
+
+
+def run_cli(
+    *args: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    hide: tuple[str, ...] = (),
+    cwd: Path = REPO,
+):
+    """``python -m jaxbuf ARGS`` in a subprocess; ``hide`` names modules to treat as absent."""
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if hide:
+        command = [sys.executable, "-c", HIDING_LAUNCHER, ",".join(hide), *args]
+    else:
+        command = [sys.executable, "-m", "jaxbuf", *args]
     return subprocess.run(
-        [sys.executable, "-m", "jaxbuf", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=environment,
-    )  # fmt: skip
+        command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=environment
+    )
 
 
 def assert_one_line_error(result) -> None:
@@ -61,8 +119,17 @@ def test_demo_on_cpu_exits_zero():
 def test_bench_quick_writes_json_and_plot(tmp_path):
     json_path = tmp_path / "out" / "bench.json"
     plot_path = tmp_path / "growth.png"
-    result = run_cli("bench", "--device", "cpu", "--quick", "--json", str(json_path),
-                     "--plot", str(plot_path), timeout=180)  # fmt: skip
+    result = run_cli(
+        "bench",
+        "--device",
+        "cpu",
+        "--quick",
+        "--json",
+        str(json_path),
+        "--plot",
+        str(plot_path),
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads(json_path.read_text())
     assert document["device"] == "cpu" and document["quick"] is True
@@ -70,8 +137,12 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
     assert document["machine"]["node"]
     assert document["versions"]["numpy"] != "not installed"
     names = {s["name"] for s in document["suites"]}
-    assert {"extensible.growth", "extensible.bookkeeping", "extensible.views",
-            "extensible.release"} <= names  # fmt: skip
+    assert {
+        "extensible.growth",
+        "extensible.bookkeeping",
+        "extensible.views",
+        "extensible.release",
+    } <= names
     for suite_result in document["suites"]:
         assert suite_result["error"] is None, suite_result
         assert suite_result["rows"], suite_result["name"]
@@ -87,8 +158,16 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
 
 def test_bench_only_selects_by_prefix(tmp_path):
     json_path = tmp_path / "views.json"
-    result = run_cli("bench", "--device", "cpu", "--quick", "--only", "extensible.views",
-                     "--json", str(json_path))  # fmt: skip
+    result = run_cli(
+        "bench",
+        "--device",
+        "cpu",
+        "--quick",
+        "--only",
+        "extensible.views",
+        "--json",
+        str(json_path),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads(json_path.read_text())
     assert [s["name"] for s in document["suites"]] == ["extensible.views"]
@@ -169,3 +248,189 @@ def test_row_ratio_and_formatting():
     assert format_bytes(2 << 20) == "2 MiB" and format_bytes(48 << 30) == "48 GiB"
     assert format_bytes(3 << 19) == "1.5 MiB"
     assert format_seconds(1.5e-6) == "1.5 µs" and format_seconds(None) == "—"
+
+
+# -- a core-only install, skips, targets, titles, the plot's default path ---------------------
+SIZE_WORDS = re.compile(r"\d[\d,.]*\s*(?:B|KiB|MiB|GiB|TiB)\b")
+
+
+def test_bench_on_a_core_only_install_skips_what_needs_a_framework(tmp_path):
+    json_path = tmp_path / "core.json"
+    result = run_cli(
+        "bench",
+        "--device",
+        "cpu",
+        "--quick",
+        "--json",
+        str(json_path),
+        hide=CORE_ONLY,
+        timeout=300,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    # (A row may still miss a target against a baseline that ran: MISSED is judged per row.)
+    assert "Traceback" not in output and "FAILED" not in output
+    assert "warning" not in result.stderr, result.stderr  # every bench module imports
+    document = json.loads(json_path.read_text())
+    versions = document["versions"]
+    assert versions["torch"] == versions["jax"] == "not installed" != versions["numpy"]
+    by_name = {s["name"]: s for s in document["suites"]}
+    for name in ("staged.apply", "staged.overlap", "uva.read"):
+        reason = by_name[name]["skipped"]
+        assert reason and "not installed" in reason and "pip install 'jaxbuf[" in reason, name
+        assert f"{name}: skipped: {reason}" in result.stdout
+    ran = [s for s in document["suites"] if s["skipped"] is None]
+    assert {"extensible.growth", "extensible.views", "uva.copy_to_uva"} <= {s["name"] for s in ran}
+    for suite_result in document["suites"]:
+        assert suite_result["error"] is None, suite_result
+    skipped_baselines = 0
+    for suite_result in ran:
+        assert suite_result["rows"], suite_result["name"]
+        for row in suite_result["rows"]:
+            if row["baseline_name"] and row["baseline_median_s"] is None:
+                skipped_baselines += 1
+                assert row["met"] is None, row  # not judged, in the JSON too
+    assert skipped_baselines  # the growth suite's torch and JAX baselines
+
+
+def test_a_row_whose_baseline_was_skipped_is_never_missed():
+    row = Row("grow", 1e-3, "torch realloc+copy", None, notes="skipped: torch is not installed")
+    row.target, row.met = ">= 1000x", False  # what a suite computes from a missing ratio
+    assert row.baseline_skipped and row.judged is None
+    assert row.verdict == ">= 1000x not judged" and "MISSED" not in row.verdict
+    assert row.to_json()["met"] is None
+    measured = Row("grow", 1e-3, "torch realloc+copy", 0.5, target=">= 1000x", met=False)
+    assert measured.verdict == ">= 1000x MISSED" and measured.to_json()["met"] is False
+    assert Row("grow", 1e-3, "b", 2.0, target=">= 1000x", met=True).verdict == ">= 1000x ok"
+    absolute = Row("capsule", 1e-7, target="<= 2 µs", met=True)  # no baseline at all
+    assert absolute.verdict == "<= 2 µs ok"
+    assert Row("view", None, notes="skipped").verdict == ""
+
+
+@pytest.fixture
+def temporary_suites():
+    """Suites registered by a test, removed afterwards."""
+    before = set(SUITES)
+    yield
+    for name in set(SUITES) - before:
+        del SUITES[name]
+
+
+def test_requires_and_require_skip_a_suite_with_its_reason(tmp_path, capsys, temporary_suites):
+    @suite("test_cli.needs_module", requires=("jaxbuf_no_such_module",))
+    def needs_module(device, quick):
+        raise AssertionError("a suite whose requirement is missing must not run")
+
+    @suite("test_cli.needs_inside")
+    def needs_inside(device, quick):
+        yield Sizes("1 row")
+        yield Row("before the skip", 1e-6)
+        require("jaxbuf_no_such_module")
+
+    @suite("test_cli.runs")
+    def runs(device, quick):
+        yield Sizes("3 KiB")
+        yield Row("measured", 2e-6, "baseline", 4e-6)
+
+    json_path = tmp_path / "skips.json"
+    status = main(["bench", "--device", "cpu", "--only", "test_cli", "--json", str(json_path)])
+    captured = capsys.readouterr()
+    assert status == 0, captured.out + captured.err
+    assert "Traceback" not in captured.err and "FAILED" not in captured.out
+    reason = "needs jaxbuf_no_such_module, which is not installed"
+    assert f"test_cli.needs_module: skipped: {reason}" in captured.out
+    assert "test_cli.needs_inside stopped early, skipped: " + reason in captured.out
+    assert "test_cli.runs: " in captured.out and "Sizes: 3 KiB." in captured.out
+    document = json.loads(json_path.read_text())
+    by_name = {s["name"]: s for s in document["suites"]}
+    assert by_name["test_cli.needs_module"]["skipped"].startswith(reason)
+    assert by_name["test_cli.needs_module"]["rows"] == []
+    assert [r["name"] for r in by_name["test_cli.needs_inside"]["rows"]] == ["before the skip"]
+    assert by_name["test_cli.runs"]["skipped"] is None
+    assert by_name["test_cli.runs"]["sizes"] == "3 KiB"
+
+
+def test_missing_dependency_and_require():
+    assert missing_dependency("numpy") is None
+    reason = missing_dependency("jaxbuf_no_such_module")
+    assert reason == (
+        "needs jaxbuf_no_such_module, which is not installed "
+        "(pip install 'jaxbuf[jaxbuf_no_such_module]')"
+    )
+    require("numpy")
+    with pytest.raises(SuiteSkipped, match="jaxbuf_no_such_module"):
+        require("numpy", "jaxbuf_no_such_module")
+    with pytest.raises(TypeError, match="requires"):
+        suite("test_cli.bad_requires", requires="torch")
+
+
+def test_suite_titles_state_only_the_sizes_run():
+    # The description (the docstring's title) names no sizes: they depend on the device and
+    # --quick, and come from the run (Sizes), so a title cannot claim sizes that did not run.
+    for registered in select_suites():
+        assert not SIZE_WORDS.search(registered.description), registered
+        assert "\n" not in registered.description
+
+
+def test_bench_titles_show_the_sizes_of_this_run(tmp_path):
+    from jaxbuf.bench.extensible import _growth_plan
+    from jaxbuf.devices import Device
+
+    json_path = tmp_path / "sizes.json"
+    result = run_cli(
+        "bench",
+        "--device",
+        "cpu",
+        "--quick",
+        "--only",
+        "extensible",
+        "--json",
+        str(json_path),
+        hide=CORE_ONLY,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads(json_path.read_text())
+    words = " ".join(result.stdout.split())  # a long title wraps in the table
+    for suite_result in document["suites"]:
+        assert suite_result["sizes"], suite_result["name"]  # every suite states its sizes
+        title = f"{suite_result['name']}: {suite_result['description']} "
+        title += f"Sizes: {suite_result['sizes']}."
+        assert " ".join(title.split()) in words, (title, result.stdout)
+    committed, steps, _, _ = _growth_plan(Device("cpu"), True)
+    growth = next(s for s in document["suites"] if s["name"] == "extensible.growth")
+    for size in (*committed, *steps):
+        assert format_bytes(size) in growth["sizes"]
+    assert "48 GiB" not in result.stdout  # the full run's size, not run with --quick
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="--plot needs matplotlib"
+)
+def test_plot_without_a_path_writes_results_growth_device_png(tmp_path):
+    result = run_cli(
+        "bench",
+        "--device",
+        "cpu",
+        "--quick",
+        "--only",
+        "extensible.growth",
+        "--plot",
+        cwd=tmp_path,
+        hide=CORE_ONLY,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    plot = tmp_path / "results" / "growth-cpu.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "results" / "bench-cpu.json").is_file()
+    assert f"plot: {Path('results') / 'growth-cpu.png'}" in result.stdout
+
+
+def test_plot_without_matplotlib_is_one_line_and_nonzero(tmp_path):
+    result = run_cli(
+        "bench", "--device", "cpu", "--plot", cwd=tmp_path, hide=("matplotlib",), timeout=60
+    )
+    assert_one_line_error(result)
+    assert "--plot needs matplotlib" in result.stderr and "jaxbuf[notebooks]" in result.stderr
+    assert not (tmp_path / "results").exists()

@@ -267,11 +267,12 @@ def _driver_with_context(cu) -> CudaVmmDriver:
 def test_check_unpacks_results_and_names_errors(monkeypatch):
     cu = _stand_in_binding(monkeypatch)
     ok = cu.CUresult.CUDA_SUCCESS
-    assert cuda_driver._check((ok,), "cuX") is None
-    assert cuda_driver._check((ok, 5), "cuX") == 5
-    assert cuda_driver._check((ok, 5, 6), "cuX") == (5, 6)
+    check = CudaVmmDriver()._check  # the driver holds its binding: the stand-in, made after it
+    assert check((ok,), "cuX") is None
+    assert check((ok, 5), "cuX") == 5
+    assert check((ok, 5, 6), "cuX") == (5, 6)
     with pytest.raises(DriverError) as info:
-        cuda_driver._check((cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None), "cuMemCreate", size=8)
+        check((cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None), "cuMemCreate", size=8)
     assert str(info.value) == "cuMemCreate(size=8) failed: CUDA_ERROR_OUT_OF_MEMORY"
     assert info.value.out_of_memory
 
@@ -381,3 +382,16 @@ def test_stream_wait_event_maps_dlpack_streams(monkeypatch):
     for bad in (0, -1, None):
         with pytest.raises(ValueError):
             driver.stream_wait_event(bad, cu.CUevent(), 0)
+
+
+def test_the_binding_is_held_per_instance():
+    # A HIP driver is a subclass passing its own binding: every call goes through it, and the
+    # module-level default (cuda.bindings.driver) stays untouched for other instances.
+    cu = pytest.importorskip("cuda.bindings.driver")
+    mapped = []
+    fake = types.SimpleNamespace(**{name: getattr(cu, name) for name in dir(cu)})
+    fake.cuMemMap = lambda *args: (mapped.append(args), (cu.CUresult.CUDA_SUCCESS,))[1]
+    driver = CudaVmmDriver(binding=fake)
+    driver.map(0x1000, 4096, 7)
+    assert mapped == [(0x1000, 4096, 0, 7, 0)]
+    assert CudaVmmDriver()._cu is cuda_driver._cu is cu

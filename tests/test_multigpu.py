@@ -184,11 +184,16 @@ def test_grant_access_later_covers_committed_runs_then_new_ones():
         assert sorted(driver.grants) == sorted(
             [(buf.base_ptr, 2 * MiB, 1), (buf.base_ptr + 8 * MiB, 2 * MiB, 1)]
         )
+        granted_by_grant_access = list(driver.grants)
         driver.grants.clear()
         buf.grant_access(["cpu:1"])  # already a peer: nothing to do
         assert driver.grants == []
         buf.resize_per_segment_(4 * MiB)
         assert {d for _, _, d in driver.grants} == {0, 1}
+        # A grow grants only the chunks it maps (issue 15); with what grant_access granted,
+        # the peer covers every committed byte.
+        assert _granted(driver, buf, 1) == [(2 * MiB, 4 * MiB), (10 * MiB, 12 * MiB)]
+        driver.grants[:0] = granted_by_grant_access
         assert _granted(driver, buf, 1) == [(0, 4 * MiB), (8 * MiB, 12 * MiB)]
         with pytest.raises(ValueError, match="owner device itself"):
             buf.grant_access(["cpu:1", "cpu"])

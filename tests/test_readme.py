@@ -1,7 +1,9 @@
-"""The README's examples run as written (they use CUDA, so they run on the GPU machine)."""
+"""The README's examples run as written, each where its first line says (the CPU ones here,
+the CUDA ones on the GPU machine), and its commands are the ones CI runs."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -9,17 +11,61 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+GPU_LINE = "# Needs a CUDA GPU"
+CPU_LINE = "# Runs on the CPU"
+GPU_EXAMPLES = [e for e in EXAMPLES if e.startswith(GPU_LINE)]
+CPU_EXAMPLES = [e for e in EXAMPLES if e.startswith(CPU_LINE)]
+FRAMEWORKS_MISSING = [m for m in ("torch", "jax") if importlib.util.find_spec(m) is None]
+
+
+def _run(example: str):
+    return subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
 
 
 def test_readme_has_examples():
     assert len(EXAMPLES) >= 2
 
 
+def test_every_example_says_whether_it_needs_a_gpu():
+    for example in EXAMPLES:
+        assert example.startswith((GPU_LINE, CPU_LINE)), example.splitlines()[0]
+    assert CPU_EXAMPLES, "give a CPU variant where one exists"
+    for example in CPU_EXAMPLES:
+        assert '"cuda' not in example, "a CPU example must not ask for CUDA"
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", range(len(EXAMPLES)))
+@pytest.mark.parametrize("index", range(len(GPU_EXAMPLES)))
 def test_readme_example_runs(index):
-    result = subprocess.run([sys.executable, "-c", EXAMPLES[index]], capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
+    result = _run(GPU_EXAMPLES[index])
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(bool(FRAMEWORKS_MISSING), reason=f"needs {FRAMEWORKS_MISSING}")
+@pytest.mark.parametrize("index", range(len(CPU_EXAMPLES)))
+def test_readme_cpu_example_runs(index):
+    result = _run(CPU_EXAMPLES[index])
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout.split()
+    assert printed and all(word == "True" for word in printed), result.stdout
+
+
+def test_readme_runs_what_ci_runs():
+    # Every command of .ci/run (the install, ruff format --check, ruff check, pytest) appears
+    # verbatim in the README's shell block, so the README's test command is CI's.
+    shell = "\n".join(re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S))
+    commands = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip().startswith("python3 ")
+    ]
+    assert any("ruff format --check" in c for c in commands)
+    assert any("ruff check" in c for c in commands)
+    assert commands[-1].startswith("python3 -m pytest")
+    for command in commands:
+        assert command in shell, f"README does not show {command!r} (run by .ci/run)"

@@ -18,8 +18,8 @@ import textwrap
 
 import numpy as np
 import pytest
-
 from conftest import CUDA_REASON
+
 from jaxbuf import sharing
 from jaxbuf.devices import as_device
 from jaxbuf.drivers import DriverError, get_vmm_driver
@@ -471,6 +471,52 @@ def test_host_driver_export_import_pair():
     driver.free_reserved(a, 2 * G)
     with pytest.raises(DriverError, match="EBADF"):
         driver.export_handle(handle)
+
+
+def test_host_chunks_are_sealed_0600_and_export_read_only():
+    import fcntl
+    import stat
+
+    driver = get_vmm_driver("cpu")
+    before = open_fds()
+    handle = driver.create(G, 0)  # its descriptor is closed once mapped
+    seals = fcntl.fcntl(handle.fd, fcntl.F_GET_SEALS)
+    wanted = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    assert seals & wanted == wanted
+    assert stat.S_IMODE(os.fstat(handle.fd).st_mode) == 0o600
+    a = driver.reserve(2 * G)
+    try:
+        for mapped in (False, True):  # reopened via /proc/self/fd, then /proc/self/map_files
+            if mapped:
+                driver.map(a, G, handle)
+            fd = driver.export_read_only_handle(handle)
+            assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+            imported = driver.import_handle(fd, G, 0)
+            os.close(fd)
+            assert imported.read_only
+            with pytest.raises(DriverError, match="EACCES"):
+                driver.export_handle(imported)  # never upgraded to read-write
+            if mapped:
+                driver.map(a + G, G, imported)
+                with open("/proc/self/maps") as maps:
+                    line = next(m for m in maps if m.startswith(f"{a + G:x}-"))
+                assert line.split()[1] == "r--s"
+                driver.memset(a, 3, 1, 0)
+                out = np.zeros(1, dtype=np.uint8)
+                driver.copy(out.ctypes.data, a + G, 1, 0)
+                assert out[0] == 3  # the owner's write, read through the read-only mapping
+                driver.unmap(a + G, G)
+            driver.release(imported)
+        unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+        os.ftruncate(unsealed, G)
+        with pytest.raises(DriverError, match="F_SEAL_SHRINK"):
+            driver.import_handle(unsealed, G, 0)
+        os.close(unsealed)
+    finally:
+        driver.unmap(a, G)
+        driver.release(handle)
+        driver.free_reserved(a, 2 * G)
+    assert open_fds() == before
 
 
 def test_bench_sharing_rows():

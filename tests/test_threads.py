@@ -229,15 +229,18 @@ def test_frameworks_half_imported_by_another_thread_count_as_not_loaded(monkeypa
     import sys
     import types
 
-    from jaxbuf import _frameworks
+    from jaxbuf import interop
     from jaxbuf.devices import as_device
 
     half_built = types.ModuleType("torch")  # no Tensor, no cuda yet
     half_built.__spec__ = importlib.machinery.ModuleSpec("torch", None)
     half_built.__spec__._initializing = True
     monkeypatch.setitem(sys.modules, "torch", half_built)
-    assert _frameworks.loaded_module("torch") is None
-    assert not _frameworks.is_torch_tensor(np.zeros(1))
-    assert _frameworks.torch_current_stream(as_device("cuda:0")) == 1  # the legacy stream
+    torch_adapter = interop.get("torch")
+    assert interop.loaded_module("torch") is None
+    assert not torch_adapter.is_array(np.zeros(1))
+    assert interop.adapter_for(np.zeros(1)) is interop.get("numpy")
+    assert torch_adapter.current_stream(as_device("cuda:0")) is None
+    assert interop.current_stream(as_device("cuda:0")) == 1  # the legacy stream
     half_built.__spec__._initializing = False  # done: now it is the module
-    assert _frameworks.loaded_module("torch") is half_built
+    assert interop.loaded_module("torch") is half_built

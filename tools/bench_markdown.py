@@ -24,12 +24,20 @@ def render(result: dict) -> str:
         "",
     ]
     for suite in result["suites"]:
-        lines += [f"### {suite['name']}", "", suite.get("description", ""), ""]
+        description = suite.get("description", "")
+        if suite.get("sizes"):
+            description += f" Sizes: {suite['sizes']}."
+        lines += [f"### {suite['name']}", "", description, ""]
+        if suite.get("skipped") and not suite["rows"]:
+            lines += [f"Skipped: {suite['skipped']}", ""]
+            continue
         if suite.get("error"):
             lines += [f"Failed: `{suite['error']}`", ""]
             continue
+        columns = ["measurement", "median", "device", "baseline", "baseline median"]
+        columns += ["baseline ÷ jaxbuf", "target"]
         lines += [
-            "| measurement | median | device | baseline | baseline median | baseline ÷ jaxbuf | target |",
+            "| " + " | ".join(columns) + " |",
             "| --- | ---: | ---: | --- | ---: | ---: | --- |",
         ]
         for row in suite["rows"]:

@@ -277,9 +277,7 @@ class Soak:
     # measured window's start and end points.
     def open(self) -> None:
         self.host, _ = self.driver.host_alloc(_PROBE, self.device.index)
-        self.host_np = np.ctypeslib.as_array(
-            (ctypes.c_uint8 * _PROBE).from_address(self.host)
-        )
+        self.host_np = np.ctypeslib.as_array((ctypes.c_uint8 * _PROBE).from_address(self.host))
 
     def close(self) -> None:
         if self.host:
@@ -302,8 +300,7 @@ class Soak:
         jaxbuf, driver, index = self.jaxbuf, self.driver, self.device.index
         frameworks = i % self.every == 0
         reserved, steps = _LAYOUT_FULL if frameworks else _LAYOUT_PLAIN
-        buf = jaxbuf.ExtensibleTensor(reserved, device=self.device, num_segments=2,
-                                      driver=driver)
+        buf = jaxbuf.ExtensibleTensor(reserved, device=self.device, num_segments=2, driver=driver)
         try:
             previous = 0
             for size in steps:
@@ -342,7 +339,7 @@ class Soak:
         import torch
 
         t = torch.from_dlpack(buf.segment_view(0))
-        if t.data_ptr() != buf.base_ptr or int(t[: _PROBE].min()) != values[0]:
+        if t.data_ptr() != buf.base_ptr or int(t[:_PROBE].min()) != values[0]:
             raise AssertionError("torch view does not alias segment 0")
         a = jax.dlpack.from_dlpack(buf.segment_view(1))
         head = np.asarray(a[:_PROBE])
@@ -356,8 +353,9 @@ class Soak:
         self.ops["jax_views"] += 1
 
     def _pool(self, i: int) -> None:
-        pool = self.jaxbuf.UvaBufferPool((4, 8), "int32", max_concurrency=2,
-                                         device=self.device, driver=self.driver)
+        pool = self.jaxbuf.UvaBufferPool(
+            (4, 8), "int32", max_concurrency=2, device=self.device, driver=self.driver
+        )
         try:
             for n in (1, 4, 9):  # 9 rows grow a slot to 16
                 x = (np.arange(n * 8, dtype=np.int32).reshape(n, 8) + i) % 1000
@@ -376,8 +374,9 @@ class Soak:
             pool.close()
 
     def _staged(self, i: int) -> None:
-        swt = self.jaxbuf.StagedWriteTensor((8, 16), "int32", device=self.device,
-                                            backend=self.backend, driver=self.driver)
+        swt = self.jaxbuf.StagedWriteTensor(
+            (8, 16), "int32", device=self.device, backend=self.backend, driver=self.driver
+        )
         try:
             model = np.zeros((8, 16), np.int32)
             rng = np.random.default_rng(i)
@@ -388,7 +387,7 @@ class Soak:
                     length = int(rng.integers(1, 17 - start))
                     values = rng.integers(-1000, 1000, length, dtype=np.int32)
                     swt.stage_write(row, start, values)
-                    model[row, start:start + length] = values
+                    model[row, start : start + length] = values
                     self.ops["staged_writes"] += 1
                 swt.stage_write_elem(3, i % 1000)
                 model[3, 0] = i % 1000
@@ -402,8 +401,13 @@ class Soak:
 
 
 # -- running and reporting ---------------------------------------------------------------
-def run(device: str = "cpu", cycles: int | None = None, every: int = 100,
-        warmup: int | None = None, progress: bool = False) -> dict[str, Any]:
+def run(
+    device: str = "cpu",
+    cycles: int | None = None,
+    every: int = 100,
+    warmup: int | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
     """Run the soak; return the summary (also what ``--json`` writes)."""
     platform_name = "cuda" if str(device).startswith("cuda") else "cpu"
     cycles = DEFAULT_CYCLES[platform_name] if cycles is None else cycles
@@ -421,8 +425,11 @@ def run(device: str = "cpu", cycles: int | None = None, every: int = 100,
         for i in range(cycles):
             soak.cycle(i)
             if progress and (i + 1) % step == 0:
-                print(f"  {i + 1}/{cycles} cycles, {time.perf_counter() - t0:.1f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {i + 1}/{cycles} cycles, {time.perf_counter() - t0:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         seconds = time.perf_counter() - t0
         end = measure(soak.driver, soak.device.index, own_handles=1)
         live_at_end = live_counts(soak.driver)
@@ -436,8 +443,13 @@ def run(device: str = "cpu", cycles: int | None = None, every: int = 100,
         if a is None or b is None:
             continue
         delta = b - a
-        metrics[name] = {"start": a, "end": b, "delta": delta, "tolerance": tolerance,
-                         "ok": delta <= tolerance}
+        metrics[name] = {
+            "start": a,
+            "end": b,
+            "delta": delta,
+            "tolerance": tolerance,
+            "ok": delta <= tolerance,
+        }
     return {
         "device": str(soak.device),
         "cycles": cycles,
@@ -451,9 +463,11 @@ def run(device: str = "cpu", cycles: int | None = None, every: int = 100,
         "driver": type(soak.driver).__name__,
         # Freed reservations parked by the CPU driver when measured (then flushed); bounded
         # by the driver's quarantine_ranges, so they are not a leak.
-        "quarantined_ranges": {"start": start["quarantined_ranges"],
-                               "end": end["quarantined_ranges"],
-                               "limit": getattr(soak.inner, "quarantine_ranges", None)},
+        "quarantined_ranges": {
+            "start": start["quarantined_ranges"],
+            "end": end["quarantined_ranges"],
+            "limit": getattr(soak.inner, "quarantine_ranges", None),
+        },
         "live_at_end": live_at_end,
         "invariant_problems": problems,
         "ok": all(m["ok"] for m in metrics.values()) and not problems,
@@ -463,15 +477,25 @@ def run(device: str = "cpu", cycles: int | None = None, every: int = 100,
 
 
 def print_table(summary: dict[str, Any]) -> None:
-    title = (f"soak: {summary['cycles']:,} cycles on {summary['device']} in "
-             f"{summary['seconds']:.1f} s ({summary['cycles_per_second']:,} cycles/s)")
+    title = (
+        f"soak: {summary['cycles']:,} cycles on {summary['device']} in "
+        f"{summary['seconds']:.1f} s ({summary['cycles_per_second']:,} cycles/s)"
+    )
     rows = []
     for name, m in summary["metrics"].items():
         mib = name.endswith("_bytes")
         f = (lambda v: f"{v / MIB:.1f} MiB") if mib else str
         d = (lambda v: f"{v / MIB:+.2f} MiB") if mib else (lambda v: f"{v:+d}")
-        rows.append((name, f(m["start"]), f(m["end"]), d(m["delta"]),
-                     f"<= {f(m['tolerance'])}", "ok" if m["ok"] else "LEAK"))
+        rows.append(
+            (
+                name,
+                f(m["start"]),
+                f(m["end"]),
+                d(m["delta"]),
+                f"<= {f(m['tolerance'])}",
+                "ok" if m["ok"] else "LEAK",
+            )
+        )
     try:
         from rich.console import Console
         from rich.table import Table
@@ -490,18 +514,25 @@ def print_table(summary: dict[str, Any]) -> None:
     print(f"operations: {ops}")
     q = summary.get("quarantined_ranges") or {}
     if q.get("end") is not None:
-        print(f"CPU driver quarantine of freed reservations before each measurement: "
-              f"{q['start']} -> {q['end']} ranges (bounded by {q['limit']}; flushed to measure)")
+        print(
+            f"CPU driver quarantine of freed reservations before each measurement: "
+            f"{q['start']} -> {q['end']} ranges (bounded by {q['limit']}; flushed to measure)"
+        )
     print("PASS" if summary["ok"] else "FAIL: a metric did not return to its start")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--cycles", type=int, default=None,
-                        help="default: 100,000 on cpu, 10,000 on cuda")
-    parser.add_argument("--every", type=int, default=100,
-                        help="framework views, pool and staged writes every K cycles (100)")
+    parser.add_argument(
+        "--cycles", type=int, default=None, help="default: 100,000 on cpu, 10,000 on cuda"
+    )
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=100,
+        help="framework views, pool and staged writes every K cycles (100)",
+    )
     parser.add_argument("--warmup", type=int, default=None, help="default: 3 * --every")
     parser.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")

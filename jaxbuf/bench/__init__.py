@@ -12,38 +12,78 @@ Adding a suite is one line, the decorator, in any public module of this package 
 whose name starts with ``_`` are helpers and are not scanned)::
 
     # jaxbuf/bench/uva.py
-    from jaxbuf.bench import Row, suite
+    from jaxbuf.bench import Row, Sizes, suite
 
-    @suite("uva.copy_to_gpu")
+    @suite("uva.copy_to_gpu", requires=("torch",))
     def copy_to_gpu(device, quick):
+        # docstring: "Host time of a copy to the device against torch's .to(device)."
+        sizes = [4 << 10] if quick else [4 << 10, 1 << 20]
+        yield Sizes(", ".join(map(format_bytes, sizes)))
         ...
         yield Row("copy_to_gpu 1 MiB", median_s, "torch .to(device)", baseline_s)
 
 :func:`load_suites` imports every module of the package once; a module that fails to import
 is reported (``load_errors``) instead of stopping the others. Suite names are dotted,
-``<module>.<what>``, so ``--only uva`` selects every suite of ``uva.py``.
+``<area>.<what>``, the area being the module's name or its prefix (``extensible.py`` and
+``extensible_overhead.py`` both register ``extensible.*`` suites), so ``--only uva`` selects
+every suite of ``uva.py``.
 
-Rules for suites: free every buffer before returning (or before the next row, for big ones);
-time with :mod:`jaxbuf.bench._timing`; put what the plot or a reader needs into
-``Row.params`` (plain JSON values). Suites run in one process, in registration order (the
-modules in alphabetical order). The command runs JAX with
-``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` (unless set): every JAX allocation is a fresh
-device allocation, returned on release, as realloc baselines need; time JAX work that
-allocates with that in mind.
+Rules for suites:
+
+* The docstring's first paragraph is the suite's title; it names no sizes, because they
+  depend on the device and ``--quick``. The suite yields one :class:`Sizes` (before its
+  rows) saying what it actually measures; the command appends it to the title.
+* A suite that needs an optional framework names it: ``requires=("torch",)`` is checked
+  before the suite runs; a need that depends on the device (Triton only on CUDA) is
+  :func:`require` inside the suite. Either way a missing dependency skips the suite with
+  its reason (:class:`SuiteSkipped`), never a traceback. A baseline that cannot run
+  (framework missing, out of memory) keeps its row, with ``baseline_median_s=None`` and
+  the reason in ``notes``; such a row is never judged against its target.
+* Free every buffer before returning (or before the next row, for big ones); time with
+  :mod:`jaxbuf.bench._timing`; put what the plot or a reader needs into ``Row.params``
+  (plain JSON values).
+
+Suites run in one process, in registration order (the modules in alphabetical order). The
+command runs JAX with ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` (unless set): every JAX
+allocation is a fresh device allocation, returned on release, as realloc baselines need;
+time JAX work that allocates with that in mind.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
-    "SUITES", "Row", "Suite", "format_bytes", "format_seconds", "load_errors", "load_suites",
-    "select_suites", "suite",
+    "SUITES",
+    "Row",
+    "Sizes",
+    "Suite",
+    "SuiteSkipped",
+    "format_bytes",
+    "format_seconds",
+    "load_errors",
+    "load_suites",
+    "missing_dependency",
+    "require",
+    "select_suites",
+    "suite",
 ]
+
+#: The extra of ``pip install 'jaxbuf[...]'`` that installs each optional module.
+EXTRA_FOR_MODULE = {
+    "torch": "torch",
+    "jax": "jax",
+    "jaxlib": "jax",
+    "triton": "triton",
+    "cuda.bindings": "cuda",
+    "matplotlib": "notebooks",
+    "rich": "cli",
+}
 
 
 @dataclass
@@ -75,23 +115,114 @@ class Row:
             return None
         return self.baseline_median_s / self.median_s
 
+    @property
+    def baseline_skipped(self) -> bool:
+        """A baseline is named but was not measured (its framework missing, out of memory)."""
+        return bool(self.baseline_name) and self.baseline_median_s is None
+
+    @property
+    def judged(self) -> bool | None:
+        """``met``, or None where the row cannot be judged: no target, nothing measured, or
+        a skipped baseline (a skipped baseline is no evidence that the target was missed)."""
+        if not self.target or self.median_s is None or self.baseline_skipped:
+            return None
+        return self.met
+
+    @property
+    def verdict(self) -> str:
+        """The target column: ``"<target> ok"``, ``"<target> MISSED"``, ``"<target> not
+        judged"`` (see :attr:`judged`) or ``""`` without a target."""
+        if not self.target:
+            return ""
+        judged = self.judged
+        if judged is None:
+            return f"{self.target} not judged" if self.met is not None else self.target
+        return f"{self.target} {'ok' if judged else 'MISSED'}"
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["ratio"] = self.ratio
+        data["met"] = self.judged
         return data
 
 
-SuiteFunction = Callable[[Any, bool], Iterable[Row]]
+@dataclass(frozen=True)
+class Sizes:
+    """What a suite actually measured, in words (``"+2 MiB, +8 MiB onto 8-128 MiB"``).
+
+    Yielded once by a suite among its rows; the command shows it in the suite's title and
+    the JSON result (``"sizes"``). Sizes depend on the device and ``--quick``, so only the
+    run can state them.
+    """
+
+    text: str
+
+
+class SuiteSkipped(Exception):
+    """Raised by a suite (usually through :func:`require`) that cannot run here; the message
+    says why. The command reports it as a skip, not a failure."""
+
+
+def missing_dependency(module: str) -> str | None:
+    """Why the optional ``module`` cannot be used here (not installed, or failing to import,
+    with the extra that installs it), or None when it imports."""
+    extra = EXTRA_FOR_MODULE.get(module, module.split(".")[0])
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or blocked in sys.modules
+        found = False
+    if not found:
+        return f"needs {module}, which is not installed (pip install 'jaxbuf[{extra}]')"
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 - a broken install is a reason, in one line
+        message = " ".join(f"{type(error).__name__}: {error}".split())
+        return f"needs {module}, which is installed but failed to import: {message}"
+    return None
+
+
+def require(*modules: str) -> None:
+    """Raise :class:`SuiteSkipped` naming the first of ``modules`` that cannot be used."""
+    for module in modules:
+        reason = missing_dependency(module)
+        if reason is not None:
+            raise SuiteSkipped(reason)
+
+
+SuiteFunction = Callable[[Any, bool], Iterable["Row | Sizes"]]
 
 
 @dataclass(frozen=True)
 class Suite:
+    """A registered suite: ``function(device, quick)`` yields :class:`Row` s and one
+    :class:`Sizes`; ``requires`` names the optional modules it cannot run without."""
+
     name: str
     function: SuiteFunction
     description: str
+    requires: tuple[str, ...] = ()
 
-    def run(self, device: Any, quick: bool) -> Iterable[Row]:
-        return self.function(device, quick)
+    def missing_requirement(self) -> str | None:
+        """Why this suite cannot run here (the first missing requirement), or None."""
+        for module in self.requires:
+            reason = missing_dependency(module)
+            if reason is not None:
+                return reason
+        return None
+
+    def run(
+        self, device: Any, quick: bool, sizes: Callable[[str], None] | None = None
+    ) -> Iterator[Row]:
+        """The suite's rows, as it produces them; the :class:`Sizes` it states go to
+        ``sizes`` (the command's title), and are dropped without it."""
+        for item in self.function(device, quick):
+            if isinstance(item, Row):
+                yield item
+            elif isinstance(item, Sizes):
+                if sizes is not None:
+                    sizes(item.text)
+            else:
+                raise TypeError(f"suite {self.name} yielded {item!r}, not a Row or Sizes")
 
 
 #: Registered suites by name, in registration order.
@@ -101,16 +232,25 @@ load_errors: dict[str, str] = {}
 _loaded = False
 
 
-def suite(name: str) -> Callable[[SuiteFunction], SuiteFunction]:
-    """Register the decorated function as the benchmark suite ``name``."""
+def _first_paragraph(doc: str | None) -> str:
+    """A docstring's first paragraph on one line (a title may wrap in the source)."""
+    paragraph = (doc or "").strip().split("\n\n", 1)[0]
+    return " ".join(paragraph.split())
+
+
+def suite(name: str, *, requires: Sequence[str] = ()) -> Callable[[SuiteFunction], SuiteFunction]:
+    """Register the decorated function as the benchmark suite ``name``, which cannot run
+    without the optional modules ``requires`` (import names: ``"torch"``, ``"triton"``)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"suite name must be a non-empty string, got {name!r}")
+    if isinstance(requires, str) or not all(isinstance(m, str) and m for m in requires):
+        raise TypeError(f"requires must be a sequence of module names, got {requires!r}")
 
     def register(function: SuiteFunction) -> SuiteFunction:
         if name in SUITES and SUITES[name].function is not function:
             raise ValueError(f"benchmark suite {name!r} is registered twice")
-        doc = (function.__doc__ or "").strip().splitlines()
-        SUITES[name] = Suite(name, function, doc[0] if doc else "")
+        description = _first_paragraph(function.__doc__)
+        SUITES[name] = Suite(name, function, description, tuple(requires))
         return function
 
     return register
@@ -143,8 +283,9 @@ def select_suites(only: Iterable[str] | None = None) -> list[Suite]:
         return list(suites.values())
     chosen: list[Suite] = []
     for pattern in patterns:
-        matches = [s for name, s in suites.items()
-                   if name == pattern or name.startswith(pattern + ".")]  # fmt: skip
+        matches = [
+            s for name, s in suites.items() if name == pattern or name.startswith(pattern + ".")
+        ]
         if not matches:
             known = ", ".join(suites) or "none"
             raise ValueError(f"no benchmark suite matches {pattern!r}; known suites: {known}")

@@ -15,7 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DeviceEventTimer", "Timing", "device_event_timer", "device_synchronizer", "measure", "measure_per_call"]
+__all__ = [
+    "DeviceEventTimer",
+    "Timing",
+    "device_event_timer",
+    "device_synchronizer",
+    "measure",
+    "measure_per_call",
+]
 
 _NS = 1e-9
 
@@ -95,10 +102,10 @@ def measure(
 
     With ``setup``, each call is ``fn(setup())`` and only ``fn`` is timed. What ``fn``
     returns is dropped after each sample, then ``teardown()`` runs, untimed (return cached
-    memory there, so samples do not pile memory up). ``synchronize`` runs inside the timed region, after ``fn``: use it when
-    ``fn`` queues device work. ``device_timer`` adds device-side samples (CUDA events
-    around ``fn``), reported as ``device_median_s``. The garbage collector is paused while
-    timing.
+    memory there, so samples do not pile memory up). ``synchronize`` runs inside the timed
+    region, after ``fn``: use it when ``fn`` queues device work. ``device_timer`` adds
+    device-side samples (CUDA events around ``fn``), reported as ``device_median_s``. The
+    garbage collector is paused while timing.
     """
     if repeat < 1:
         raise ValueError(f"repeat must be positive, got {repeat}")
@@ -136,9 +143,7 @@ def measure(
     )
 
 
-def measure_per_call(
-    fn: Callable[[], Any], *, number: int, repeat: int, warmup: int = 1
-) -> Timing:
+def measure_per_call(fn: Callable[[], Any], *, number: int, repeat: int, warmup: int = 1) -> Timing:
     """Median per-call time of a fast ``fn``: ``repeat`` batches of ``number`` calls each.
 
     For microsecond operations (a DLPack capsule, a view), where one ``perf_counter_ns``

@@ -2,12 +2,12 @@
 another GPU, against the owner reading it locally, in the same run.
 
 Suite ``peer.read``: an :class:`~jaxbuf.ExtensibleTensor` of 256 MiB (32 MiB with
-``--quick``) on the bench device, granted to the next GPU (``peer_devices``). Two kernels
-read it: torch's ``sum`` and a copy into a tensor local to the reader, each on the peer
-(over NVLink or PCIe) and on the owner (from its own memory, the baseline). Device time from
-CUDA events on the reader's stream; both GPUs' L2 caches are flushed before each sample. The
-ratio is local time / peer time (below 1: the peer read is slower); ``params`` carries the
-bandwidths in GB/s.
+``--quick``; the title states the size run) on the bench device, granted to the next GPU
+(``peer_devices``). Two kernels read it: torch's ``sum`` and a copy into a tensor local to
+the reader, each on the peer (over NVLink or PCIe) and on the owner (from its own memory,
+the baseline). Device time from CUDA events on the reader's stream; both GPUs' L2 caches are
+flushed before each sample. The ratio is local time / peer time (below 1: the peer read is
+slower); ``params`` carries the bandwidths in GB/s.
 
 With fewer than two CUDA devices (or two that cannot reach each other, or on the CPU) there
 is no peer to measure: the suite yields one row timing the local read alone, with a note, so
@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Iterator
 from typing import Any
 
-from jaxbuf.bench import Row, format_bytes, suite
+from jaxbuf.bench import Row, Sizes, format_bytes, require, suite
 from jaxbuf.bench._timing import (
     DeviceEventTimer,
     device_synchronizer,
@@ -49,10 +49,13 @@ def _peer_index(device: Device) -> tuple[int | None, str]:
     return peer, ""
 
 
-def _local_only(device: Device, quick: bool, reason: str) -> Iterator[Row]:
+def _local_only(device: Device, quick: bool, reason: str) -> Iterator[Row | Sizes]:
     """One row: the owner's own read of the buffer, no peer to compare with."""
     nbytes = (32 if quick else 256) * MiB if device.is_cuda else (4 if quick else 64) * MiB
     repeat = 5 if quick else 20
+    yield Sizes(f"{format_bytes(nbytes)}, local read only")
+    if device.is_cuda:
+        require("torch")  # the sum kernel on the GPU; numpy sums on the CPU
     buffer = ExtensibleTensor(nbytes, device=device)
     tensor = None
     try:
@@ -60,40 +63,56 @@ def _local_only(device: Device, quick: bool, reason: str) -> Iterator[Row]:
         view = buffer.segment_view(0).view("float32")
         # torch on a GPU; numpy on the CPU (no framework needed there).
         tensor = view.to_torch() if device.is_cuda else view.to_numpy()
-        timing = measure(tensor.sum, repeat=repeat, warmup=1,
-                         synchronize=device_synchronizer(device))  # fmt: skip
+        timing = measure(
+            tensor.sum, repeat=repeat, warmup=1, synchronize=device_synchronizer(device)
+        )
     finally:
         tensor = None
         buffer.free()
     yield Row(
-        f"local read {format_bytes(nbytes)} (sum, no peer)", timing.median_s,
+        f"local read {format_bytes(nbytes)} (sum, no peer)",
+        timing.median_s,
         notes=f"peer read not measured: {reason}; needs two CUDA devices with peer access",
-        params={"size_bytes": nbytes, "kernel": "sum", "peer": None, "samples": repeat,
-                "local_GBps": nbytes / timing.median_s / 1e9},
-    )  # fmt: skip
+        params={
+            "size_bytes": nbytes,
+            "kernel": "sum",
+            "peer": None,
+            "samples": repeat,
+            "local_GBps": nbytes / timing.median_s / 1e9,
+        },
+    )
 
 
-def _median_device_time(fn: Any, *, repeat: int, setup: Any, synchronize: Any,
-                        timer: DeviceEventTimer) -> tuple[float, float]:  # fmt: skip
+def _median_device_time(
+    fn: Any, *, repeat: int, setup: Any, synchronize: Any, timer: DeviceEventTimer
+) -> tuple[float, float]:
     """(device median, host median) of ``fn``, L2 flushed (``setup``) before each sample."""
-    timing = measure(lambda _state: fn(), repeat=repeat, warmup=0, setup=setup,
-                     synchronize=synchronize, device_timer=timer)  # fmt: skip
+    timing = measure(
+        lambda _state: fn(),
+        repeat=repeat,
+        warmup=0,
+        setup=setup,
+        synchronize=synchronize,
+        device_timer=timer,
+    )
     device_s = timing.device_median_s
     return (device_s if device_s is not None else timing.median_s), timing.median_s
 
 
 @suite("peer.read")
-def read(device: Any, quick: bool) -> Iterator[Row]:
-    """A GPU reading 256 MiB that lives on another GPU, against the owner's local read."""
+def read(device: Any, quick: bool) -> Iterator[Row | Sizes]:
+    """A GPU reading memory that lives on another GPU, against the owner's local read."""
     peer, reason = _peer_index(device)
     if peer is None:
         yield from _local_only(device, quick, reason)
         return
+    require("torch")
     import torch
 
     owner = device.index
     owner_dev, peer_dev = Device("cuda", owner), Device("cuda", peer)
     nbytes = (32 if quick else 256) * MiB
+    yield Sizes(f"{format_bytes(nbytes)} on cuda:{owner}, read from cuda:{peer}")
     elements = nbytes // 4
     repeat = 5 if quick else 20
     driver = get_vmm_driver(device)
@@ -113,8 +132,15 @@ def read(device: Any, quick: bool) -> Iterator[Row]:
     try:
         buffer.resize_per_segment_(nbytes)
         local = buffer.segment_view(0).to_torch(dtype=torch.float32)
-        remote = BufferView(buffer.base_ptr, nbytes, "float32", (elements,), peer_dev, buffer,
-                            driver.dlpack_device_type).to_torch()  # fmt: skip
+        remote = BufferView(
+            buffer.base_ptr,
+            nbytes,
+            "float32",
+            (elements,),
+            peer_dev,
+            buffer,
+            driver.dlpack_device_type,
+        ).to_torch()
         local.copy_(torch.arange(elements, device=local.device, dtype=torch.float32) % 8)
         sync[owner]()
         expected = float(local.sum(dtype=torch.float64))
@@ -136,10 +162,15 @@ def read(device: Any, quick: bool) -> Iterator[Row]:
             # Alternate peer and owner samples, so drift affects both alike.
             for _ in range(repeat):
                 for who, fn, index in (("peer", on_peer, peer), ("owner", on_owner, owner)):
-                    samples[who].append(_median_device_time(
-                        fn, repeat=1, setup=flush_l2, synchronize=sync[index],
-                        timer=timers[index],
-                    ))  # fmt: skip
+                    samples[who].append(
+                        _median_device_time(
+                            fn,
+                            repeat=1,
+                            setup=flush_l2,
+                            synchronize=sync[index],
+                            timer=timers[index],
+                        )
+                    )
             results[kind] = tuple(
                 statistics.median(sample[column] for sample in samples[who])
                 for column, who in ((0, "peer"), (0, "owner"), (1, "peer"), (1, "owner"))
@@ -150,7 +181,7 @@ def read(device: Any, quick: bool) -> Iterator[Row]:
         for index in (owner, peer):
             sync[index]()
         buffer.free()
-        del scratch
+        scratch = None  # drop the L2-flushing tensors before returning torch's cache
         release_torch_memory(owner_dev)
         release_torch_memory(peer_dev)
 
@@ -158,14 +189,23 @@ def read(device: Any, quick: bool) -> Iterator[Row]:
     labels = {"sum": "sum", "copy": "copy into a local tensor"}
     for kind, (peer_s, owner_s, peer_host, owner_host) in results.items():
         yield Row(
-            f"cuda:{peer} reads {size} on cuda:{owner} ({labels[kind]})", peer_s,
-            f"cuda:{owner} reads its own {size} ({labels[kind]})", owner_s,
+            f"cuda:{peer} reads {size} on cuda:{owner} ({labels[kind]})",
+            peer_s,
+            f"cuda:{owner} reads its own {size} ({labels[kind]})",
+            owner_s,
             notes="device time (CUDA events), L2 flushed; ratio < 1 expected: peer reads "
-                  "cross NVLink/PCIe, local reads HBM; no target",
-            device_median_s=peer_s, baseline_device_median_s=owner_s,
-            params={"size_bytes": nbytes, "kernel": kind, "owner": owner, "peer": peer,
-                    "peer_GBps": nbytes / peer_s / 1e9, "local_GBps": nbytes / owner_s / 1e9,
-                    "host_median_s": peer_host, "baseline_host_median_s": owner_host,
-                    "samples": repeat},
-        )  # fmt: skip
-
+            "cross NVLink/PCIe, local reads HBM; no target",
+            device_median_s=peer_s,
+            baseline_device_median_s=owner_s,
+            params={
+                "size_bytes": nbytes,
+                "kernel": kind,
+                "owner": owner,
+                "peer": peer,
+                "peer_GBps": nbytes / peer_s / 1e9,
+                "local_GBps": nbytes / owner_s / 1e9,
+                "host_median_s": peer_host,
+                "baseline_host_median_s": owner_host,
+                "samples": repeat,
+            },
+        )

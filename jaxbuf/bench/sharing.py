@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxbuf.bench import Row, format_bytes, suite
+from jaxbuf.bench import Row, Sizes, format_bytes, suite
 from jaxbuf.extensible import ExtensibleTensor, granule_size
 from jaxbuf.sharing import send_buffer
 
@@ -103,8 +103,14 @@ class _Importer:
         self._control_socket = control
         self.control = control.makefile("rw")
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _IMPORTER, str(child_data.fileno()),
-             str(child_control.fileno()), str(device)],  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                _IMPORTER,
+                str(child_data.fileno()),
+                str(child_control.fileno()),
+                str(device),
+            ],
             pass_fds=(child_data.fileno(), child_control.fileno()),
             stderr=subprocess.PIPE,
             text=True,
@@ -160,11 +166,13 @@ def _median_copy(importer: _Importer, payload: memoryview, rounds: int) -> float
 
 
 @suite("sharing.import")
-def import_latency(device: Any, quick: bool) -> Iterator[Row]:
-    """Import latency in a second process (recv -> usable view), 1 and 64 chunks, vs re-sending
-    the bytes through the socket."""
+def import_latency(device: Any, quick: bool) -> Iterator[Row | Sizes]:
+    """Import latency in a second process (recv -> usable view) against re-sending the bytes
+    through the socket."""
     rounds = 4 if quick else 21  # the first round of each is a warm-up
     chunk = granule_size(device)
+    counts = " and ".join(map(str, _CHUNK_COUNTS))
+    yield Sizes(f"{counts} chunks of {format_bytes(chunk)}, {rounds - 1} rounds")
     importer = _Importer(device)
     try:
         for chunks in _CHUNK_COUNTS:
@@ -186,10 +194,17 @@ def import_latency(device: Any, quick: bool) -> Iterator[Row]:
                     "re-send the bytes through the socket (copy)",
                     copied,
                     notes="second process; recv -> usable view"
-                    + ("" if device.is_cuda else
-                       "; CPU descriptors reopened through /proc/self/map_files"),
-                    params={"chunks": chunks, "chunk_bytes": chunk, "size_bytes": nbytes,
-                            "rounds": rounds - 1},  # fmt: skip
+                    + (
+                        ""
+                        if device.is_cuda
+                        else "; CPU descriptors reopened through /proc/self/map_files"
+                    ),
+                    params={
+                        "chunks": chunks,
+                        "chunk_bytes": chunk,
+                        "size_bytes": nbytes,
+                        "rounds": rounds - 1,
+                    },
                 )
             finally:
                 tensor.free()

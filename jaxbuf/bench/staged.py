@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxbuf.bench import Row, suite
+from jaxbuf.bench import Row, Sizes, require, suite
 from jaxbuf.bench._timing import device_event_timer, device_synchronizer, measure, measure_per_call
 
 _NUM_TABLES = 4
@@ -36,10 +36,6 @@ _ROW_LEN = 128
 _STAGE_TARGET_S = 0.5e-6
 _APPLY_TARGETS_S = {256: 40e-6, 4096: 150e-6}
 _PER_WRITE_SPEEDUP_TARGET = 20.0
-
-
-def _skip_reason(error: BaseException) -> str:
-    return f"skipped: {type(error).__name__}: {error}"
 
 
 class _Workload:
@@ -132,19 +128,21 @@ class _SeedStyleWriter:
         table_view = self.table_pool.copy_to_uva(table)
         if self.device.is_cuda:
             # The seed's async_tensor_h2d: a pinned staging tensor, copied non-blocking.
-            contents_gpu = torch.tensor(contents, dtype=torch.int32, device="cpu",
-                                        pin_memory=True).to(self.device.torch(),
-                                                            non_blocking=True)  # fmt: skip
+            contents_gpu = torch.tensor(
+                contents, dtype=torch.int32, device="cpu", pin_memory=True
+            ).to(self.device.torch(), non_blocking=True)
             from jaxbuf.kernels import apply_staged_writes
 
-            apply_staged_writes(table_view.ptr, self.group_buffer.view.ptr, contents_gpu,
-                                num_writes)  # fmt: skip
+            apply_staged_writes(
+                table_view.ptr, self.group_buffer.view.ptr, contents_gpu, num_writes
+            )
         else:
             from jaxbuf.kernels import apply_staged_writes_numpy
 
             contents_cpu = torch.tensor(contents, dtype=torch.int32)
-            apply_staged_writes_numpy(table_view.to_numpy(), self.group_table,
-                                      contents_cpu.data_ptr(), num_writes)  # fmt: skip
+            apply_staged_writes_numpy(
+                table_view.to_numpy(), self.group_table, contents_cpu.data_ptr(), num_writes
+            )
         for t in tensors:
             t.clear_staged_writes()
 
@@ -171,15 +169,20 @@ def _apply_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
     else:
         torch_sync = sync
 
-    tables = [StagedWriteTensor((_NUM_ROWS, _ROW_LEN), "int32", device, backend=backend)
-              for _ in range(_NUM_TABLES)]  # fmt: skip
+    tables = [
+        StagedWriteTensor((_NUM_ROWS, _ROW_LEN), "int32", device, backend=backend)
+        for _ in range(_NUM_TABLES)
+    ]
     writer = FusedStagedWriter(device, num_writes, backend=backend)
-    seed_targets = [torch.zeros((_NUM_ROWS, _ROW_LEN), dtype=torch.int32, device=torch_device)
-                    for _ in range(_NUM_TABLES)]  # fmt: skip
+    seed_targets = [
+        torch.zeros((_NUM_ROWS, _ROW_LEN), dtype=torch.int32, device=torch_device)
+        for _ in range(_NUM_TABLES)
+    ]
     group_table = np.array([[t.data_ptr(), _ROW_LEN, 4] for t in seed_targets], np.int64)
     seed_tensors = [_SeedStyleTensor(t) for t in seed_targets]
     seed_writer = _SeedStyleWriter(device, num_writes, group_table)
     try:
+
         def stage_jaxbuf() -> None:
             for swt, writes in zip(tables, work.writes):
                 for row, start, values in writes:
@@ -194,10 +197,16 @@ def _apply_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
             # Host time without device events around the call (recording one just before
             # the call slows the launch that follows it); device time in a second pass.
             if end_to_end:
-                return measure(lambda _: fn(), setup=lambda: (torch_sync(), setup()),
-                               repeat=repeat, warmup=2, synchronize=torch_sync)  # fmt: skip
-            host_only = measure(lambda _: fn(), setup=lambda: (torch_sync(), setup()),
-                                repeat=repeat, warmup=2)  # fmt: skip
+                return measure(
+                    lambda _: fn(),
+                    setup=lambda: (torch_sync(), setup()),
+                    repeat=repeat,
+                    warmup=2,
+                    synchronize=torch_sync,
+                )
+            host_only = measure(
+                lambda _: fn(), setup=lambda: (torch_sync(), setup()), repeat=repeat, warmup=2
+            )
             if timer is not None:
                 host_only.device_median_s = measure(
                     lambda _: fn(), setup=setup, repeat=repeat, warmup=1, device_timer=timer
@@ -212,17 +221,19 @@ def _apply_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         expected = [np.zeros((_NUM_ROWS, _ROW_LEN), np.int32) for _ in range(_NUM_TABLES)]
         for model, writes in zip(expected, work.writes):
             for row, start, values in writes:
-                model[row, start:start + len(values)] = values
+                model[row, start : start + len(values)] = values
         torch_sync()
         for swt, target, model in zip(tables, seed_targets, expected):
-            if not (np.array_equal(swt.to_torch().cpu().numpy(), model)
-                    and np.array_equal(target.cpu().numpy(), model)):  # fmt: skip
+            if not (
+                np.array_equal(swt.to_torch().cpu().numpy(), model)
+                and np.array_equal(target.cpu().numpy(), model)
+            ):
                 raise AssertionError("staged writes benchmark: results differ from the model")
 
         def per_write() -> None:
             for target, writes in zip(seed_targets, work.writes):
                 for row, start, values in writes:
-                    target[row, start:start + len(values)] = torch.from_numpy(values)
+                    target[row, start : start + len(values)] = torch.from_numpy(values)
 
         def index_put() -> None:
             for target, writes in zip(seed_targets, work.writes):
@@ -233,10 +244,13 @@ def _apply_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
                 offsets = np.cumsum(lengths) - lengths
                 row_index = np.repeat(rows, lengths)
                 col_index = np.repeat(starts - offsets, lengths) + np.arange(values.shape[0])
-                index = (torch.from_numpy(row_index).to(torch_device, non_blocking=True),
-                         torch.from_numpy(col_index).to(torch_device, non_blocking=True))
-                target.index_put_(index, torch.from_numpy(values).to(torch_device,
-                                                                     non_blocking=True))
+                index = (
+                    torch.from_numpy(row_index).to(torch_device, non_blocking=True),
+                    torch.from_numpy(col_index).to(torch_device, non_blocking=True),
+                )
+                target.index_put_(
+                    index, torch.from_numpy(values).to(torch_device, non_blocking=True)
+                )
 
         per_write_repeat = max(3, repeat // (1 if num_writes <= 256 else 5))
         per_write_t = measure(per_write, repeat=per_write_repeat, warmup=1, device_timer=timer)
@@ -251,51 +265,67 @@ def _apply_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
     kernel_note = "" if device.is_cuda else "; CPU: numpy reference kernel for both"
     name = f"apply {num_writes:,} writes / {_NUM_TABLES} tables"
     target_s = _APPLY_TARGETS_S.get(num_writes)
-    seed_row = Row(f"{name} (host)", jaxbuf_t.median_s, "seed-style (lists, H2D copy, launch)",
-                   seed_t.median_s, notes="host time of the call" + kernel_note,
-                   device_median_s=jaxbuf_t.device_median_s,
-                   baseline_device_median_s=seed_t.device_median_s,
-                   params={"num_writes": num_writes, "kind": "apply-host"})  # fmt: skip
+    seed_row = Row(
+        f"{name} (host)",
+        jaxbuf_t.median_s,
+        "seed-style (lists, H2D copy, launch)",
+        seed_t.median_s,
+        notes="host time of the call" + kernel_note,
+        device_median_s=jaxbuf_t.device_median_s,
+        baseline_device_median_s=seed_t.device_median_s,
+        params={"num_writes": num_writes, "kind": "apply-host"},
+    )
     yield seed_row
-    e2e_row = Row(f"{name} (end to end)", jaxbuf_e2e.median_s,
-                  "seed-style, end to end", seed_e2e.median_s,
-                  notes="the call plus waiting for the device" + kernel_note,
-                  params={"num_writes": num_writes, "kind": "apply-end-to-end"})  # fmt: skip
+    e2e_row = Row(
+        f"{name} (end to end)",
+        jaxbuf_e2e.median_s,
+        "seed-style, end to end",
+        seed_e2e.median_s,
+        notes="the call plus waiting for the device" + kernel_note,
+        params={"num_writes": num_writes, "kind": "apply-end-to-end"},
+    )
     if target_s is not None and device.is_cuda:
         e2e_row.target = f"<= {target_s * 1e6:g} µs"
         e2e_row.met = jaxbuf_e2e.median_s <= target_s
     yield e2e_row
-    per_write_row = Row(f"{name} (host)", jaxbuf_t.median_s,
-                        "torch: one indexing assignment per write", per_write_t.median_s,
-                        device_median_s=jaxbuf_t.device_median_s,
-                        baseline_device_median_s=per_write_t.device_median_s,
-                        params={"num_writes": num_writes, "kind": "apply-vs-per-write"})
+    per_write_row = Row(
+        f"{name} (host)",
+        jaxbuf_t.median_s,
+        "torch: one indexing assignment per write",
+        per_write_t.median_s,
+        device_median_s=jaxbuf_t.device_median_s,
+        baseline_device_median_s=per_write_t.device_median_s,
+        params={"num_writes": num_writes, "kind": "apply-vs-per-write"},
+    )
     if device.is_cuda:
         per_write_row.target = f">= {_PER_WRITE_SPEEDUP_TARGET:g}x"
         per_write_row.met = (per_write_row.ratio or 0) >= _PER_WRITE_SPEEDUP_TARGET
     yield per_write_row
-    yield Row(f"{name} (host)", jaxbuf_t.median_s,
-              f"torch: index_put_ per table ({_NUM_TABLES}), indices built", index_put_t.median_s,
-              device_median_s=jaxbuf_t.device_median_s,
-              baseline_device_median_s=index_put_t.device_median_s,
-              params={"num_writes": num_writes, "kind": "apply-vs-index-put"})  # fmt: skip
+    yield Row(
+        f"{name} (host)",
+        jaxbuf_t.median_s,
+        f"torch: index_put_ per table ({_NUM_TABLES}), indices built",
+        index_put_t.median_s,
+        device_median_s=jaxbuf_t.device_median_s,
+        baseline_device_median_s=index_put_t.device_median_s,
+        params={"num_writes": num_writes, "kind": "apply-vs-index-put"},
+    )
 
 
-@suite("staged.apply")
-def apply_suite(device: Any, quick: bool) -> Iterator[Row]:
-    """One apply of 256 / 4,096 writes over 4 tables against seed-style and torch baselines."""
-    try:
-        import torch  # noqa: F401
-    except ImportError as error:
-        yield Row("apply", None, notes=_skip_reason(error))
-        return
+@suite("staged.apply", requires=("torch",))
+def apply_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
+    """One apply of many small writes over 4 tables against seed-style and torch baselines."""
+    if device.is_cuda:
+        require("triton")  # the kernel; the CPU runs its numpy reference
     sizes = (256,) if quick else (256, 4096)
+    counts = " and ".join(f"{n:,}" for n in sizes)
+    yield Sizes(f"{counts} writes of 12-20 int32 over {_NUM_TABLES} tables of {_NUM_ROWS} rows")
     for num_writes in sizes:
         yield from _apply_rows(device, num_writes, quick)
 
 
-@suite("staged.overlap")
-def overlap_suite(device: Any, quick: bool) -> Iterator[Row]:
+@suite("staged.overlap", requires=("torch", "triton"))
+def overlap_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
     """Overlapping writes: one program per row against one program for every write."""
     from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor
 
@@ -314,39 +344,52 @@ def overlap_suite(device: Any, quick: bool) -> Iterator[Row]:
     writes = []
     for row in rng.permutation(num_rows).tolist() * 2:  # every row twice: each pair overlaps
         writes.append((row, 0, rng.integers(0, 2**31, 16, dtype=np.int64).astype(np.int32)))
+    yield Sizes(f"{len(writes)} writes of 16 int32, each of {num_rows} rows written twice")
     sync = device_synchronizer(device)
     results = {}
     for name, writer_cls in (("grouped", FusedStagedWriter), ("one", _OneProgramWriter)):
         swt = StagedWriteTensor((num_rows, 16), "int32", device)
         writer = writer_cls(device, len(writes))
         try:
+
             def stage(swt=swt) -> None:
                 for row, start, values in writes:
                     swt.stage_write(row, start, values)
 
-            results[name] = measure(lambda _, w=writer, t=swt: w.apply([t]), setup=stage,
-                                    repeat=repeat, warmup=1, synchronize=sync)  # fmt: skip
+            results[name] = measure(
+                lambda _, w=writer, t=swt: w.apply([t]),
+                setup=stage,
+                repeat=repeat,
+                warmup=1,
+                synchronize=sync,
+            )
             expected = np.zeros((num_rows, 16), np.int32)
             for row, start, values in writes:
-                expected[row, start:start + 16] = values
+                expected[row, start : start + 16] = values
             if not np.array_equal(swt.to_torch().cpu().numpy(), expected):
                 raise AssertionError("overlap benchmark: later writes did not win")
         finally:
             writer.close()
             swt.close()
-    yield Row(f"apply {len(writes)} overlapping writes, grouped by row (end to end)",
-              results["grouped"].median_s, "one program for every write, in order",
-              results["one"].median_s,
-              notes="" if device.is_cuda else "CPU: Triton interpreter",
-              params={"num_writes": len(writes), "kind": "overlap"})  # fmt: skip
+    yield Row(
+        f"apply {len(writes)} overlapping writes, grouped by row (end to end)",
+        results["grouped"].median_s,
+        "one program for every write, in order",
+        results["one"].median_s,
+        notes="" if device.is_cuda else "CPU: Triton interpreter",
+        params={"num_writes": len(writes), "kind": "overlap"},
+    )
 
 
 @suite("staged.stage")
-def stage_suite(device: Any, quick: bool) -> Iterator[Row]:
-    """One stage_write of 16 elements against the seed's list staging."""
+def stage_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
+    """One stage_write against the seed's list staging."""
     from jaxbuf.staged import StagedWriteTensor
 
+    if device.is_cuda:
+        require("triton")  # a CUDA StagedWriteTensor applies through Triton
     number = 2_000 if quick else 10_000
+    yield Sizes(f"16 elements per write, batches of {number:,} calls, 0 and 64 Ki staged")
     repeat = 5 if quick else 11
     backend = "triton" if device.is_cuda else "numpy"
     values = np.arange(16, dtype=np.int32)
@@ -354,6 +397,7 @@ def stage_suite(device: Any, quick: bool) -> Iterator[Row]:
     swt = StagedWriteTensor((_NUM_ROWS, _ROW_LEN), "int32", device, backend=backend)
     seed = _SeedStyleTensor(None)
     try:
+
         def measured(fn, already: int = 0) -> float:
             """Median per call over batches of ``number`` calls, each batch starting from
             ``already`` staged writes (staged untimed)."""
@@ -363,8 +407,7 @@ def stage_suite(device: Any, quick: bool) -> Iterator[Row]:
                 seed.clear_staged_writes()
                 for _ in range(already):
                     fn()
-                samples.append(measure_per_call(fn, number=number, repeat=1,
-                                                warmup=0).median_s)  # fmt: skip
+                samples.append(measure_per_call(fn, number=number, repeat=1, warmup=0).median_s)
             return statistics.median(samples)
 
         stage = swt.stage_write
@@ -380,14 +423,29 @@ def stage_suite(device: Any, quick: bool) -> Iterator[Row]:
     path = "C fast path" if swt._stage_fast is not None else "Python path"
     target = f"<= {_STAGE_TARGET_S * 1e6:g} µs"
     # The target is set for the GPU machine's host; a CPU-only run only reports it.
-    yield Row("stage_write 16 int32 (numpy)", numpy_s, "seed-style list.extend (numpy)",
-              seed_numpy_s, target=target if device.is_cuda else "",
-              met=numpy_s <= _STAGE_TARGET_S if device.is_cuda else None,
-              notes=path if device.is_cuda else f"{path}; target on the GPU host: {target}",
-              params={"kind": "stage-numpy"})  # fmt: skip
-    yield Row("stage_write 16 ints (list)", list_s, "seed-style list.extend (list)",
-              seed_list_s, notes="lists are packed and range-checked by struct; the seed "
-              "checks nothing", params={"kind": "stage-list"})  # fmt: skip
-    yield Row("stage_write with 64 Ki staged", full_s, "stage_write with none staged",
-              numpy_s, notes="staging cost does not grow with what is staged",
-              params={"kind": "stage-flatness"})  # fmt: skip
+    yield Row(
+        "stage_write 16 int32 (numpy)",
+        numpy_s,
+        "seed-style list.extend (numpy)",
+        seed_numpy_s,
+        target=target if device.is_cuda else "",
+        met=numpy_s <= _STAGE_TARGET_S if device.is_cuda else None,
+        notes=path if device.is_cuda else f"{path}; target on the GPU host: {target}",
+        params={"kind": "stage-numpy"},
+    )
+    yield Row(
+        "stage_write 16 ints (list)",
+        list_s,
+        "seed-style list.extend (list)",
+        seed_list_s,
+        notes="lists are packed and range-checked by struct; the seed checks nothing",
+        params={"kind": "stage-list"},
+    )
+    yield Row(
+        "stage_write with 64 Ki staged",
+        full_s,
+        "stage_write with none staged",
+        numpy_s,
+        notes="staging cost does not grow with what is staged",
+        params={"kind": "stage-flatness"},
+    )

@@ -4,8 +4,9 @@ Suites:
 
 * ``uva.copy_to_uva``: host time per :meth:`UvaBufferPool.copy_to_uva` of 1 K and 64 K
   int32 elements (4 KiB, 256 KiB) from numpy, for pools returning torch tensors and
-  :class:`BufferView` s, against a seed-style pool (:class:`_SeedStyleUvaPool`, re-implementing
-  ``seeds/buffer_utils.txt``), ``pin_memory()`` + a non-blocking copy, and a plain device copy.
+  :class:`BufferView` s, against a seed-style pool (:class:`_SeedStyleUvaPool`,
+  re-implementing vLLM's ``vllm/v1/worker/gpu/buffer_utils.py``), ``pin_memory()`` + a
+  non-blocking copy, and a plain device copy.
   On the CPU there is no pinned memory and no device copy: the baselines become ``np.copyto``
   into a preallocated array and ``torch.from_numpy(x).clone()``.
 * ``uva.read``: a kernel (``t.sum()``) reading 4 KiB to 64 MiB through the UVA device view
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxbuf.bench import Row, format_bytes, suite
+from jaxbuf.bench import Row, Sizes, format_bytes, suite
 from jaxbuf.bench._timing import (
     device_event_timer,
     device_synchronizer,
@@ -65,8 +66,15 @@ class _SeedStyleUvaBuffer:
         self.cpu = torch.zeros(size, dtype=dtype, device="cpu", pin_memory=pin)
         self.np = self.cpu.numpy()
         device_type = get_vmm_driver(device).dlpack_device_type
-        view = BufferView(self.cpu.data_ptr(), max(self.cpu.nbytes, 1), str(self.np.dtype),
-                          tuple(self.cpu.shape), device, self.cpu, device_type)  # fmt: skip
+        view = BufferView(
+            self.cpu.data_ptr(),
+            max(self.cpu.nbytes, 1),
+            str(self.np.dtype),
+            tuple(self.cpu.shape),
+            device,
+            self.cpu,
+            device_type,
+        )
         self._uva = view.to_torch()
 
     def uva(self, n: int | None = None) -> Any:
@@ -82,8 +90,9 @@ class _SeedStyleUvaPool:
         self.dtype = dtype
         self.device = device
         self.max_concurrency = max_concurrency
-        self._uva_bufs = [_SeedStyleUvaBuffer(self.size, dtype, device)
-                          for _ in range(max_concurrency)]  # fmt: skip
+        self._uva_bufs = [
+            _SeedStyleUvaBuffer(self.size, dtype, device) for _ in range(max_concurrency)
+        ]
         self._curr = 0
 
     def copy_to_uva(self, x: Any) -> Any:
@@ -108,9 +117,12 @@ class _SeedStyleUvaPool:
 # Helpers
 # --------------------------------------------------------------------------------------
 def _interleaved_per_call(
-    candidates: dict[str, Callable[[], Any]], *, number: int, rounds: int,
+    candidates: dict[str, Callable[[], Any]],
+    *,
+    number: int,
+    rounds: int,
     synchronize: Callable[[], None],
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Median per-call host time of each candidate: ``rounds`` batches of ``number`` calls,
     the candidates alternating batch by batch. The device is idle before each batch
     (untimed) and is not waited for inside it: host time, as a step's launch path sees it."""
@@ -137,9 +149,11 @@ def _interleaved_per_call(
 # Suites
 # --------------------------------------------------------------------------------------
 @suite("uva.copy_to_uva")
-def copy_to_uva(device: Any, quick: bool) -> Iterator[Row]:
-    """Host time per copy_to_uva (4 KiB, 256 KiB) against the seed-style pool and copies."""
+def copy_to_uva(device: Any, quick: bool) -> Iterator[Row | Sizes]:
+    """Host time per copy_to_uva against the seed-style pool and copies."""
     number, rounds = (50, 5) if quick else (200, 25)
+    sizes = ", ".join(format_bytes(elements * 4) for elements in _COPY_ELEMENTS)
+    yield Sizes(f"{sizes} of int32 from numpy, {rounds} batches of {number} calls")
     sync = device_synchronizer(device)
     try:
         import torch
@@ -150,14 +164,20 @@ def copy_to_uva(device: Any, quick: bool) -> Iterator[Row]:
     cuda = device.is_cuda
     if cuda:
         torch_device = device.torch()
-        baseline_names = {"pinned": "pin_memory() + .to(non_blocking=True)",
-                          "device": "torch.as_tensor(x).to(device)"}  # fmt: skip
+        baseline_names = {
+            "pinned": "pin_memory() + .to(non_blocking=True)",
+            "device": "torch.as_tensor(x).to(device)",
+        }
         platform_notes = ""
     else:
-        baseline_names = {"pinned": "np.copyto (preallocated)",
-                          "device": "torch.from_numpy(x).clone()"}  # fmt: skip
-        platform_notes = ("CPU: no pinned memory or device copy, so the baselines are "
-                          "np.copyto and from_numpy().clone(); seed-style pool pageable")
+        baseline_names = {
+            "pinned": "np.copyto (preallocated)",
+            "device": "torch.from_numpy(x).clone()",
+        }
+        platform_notes = (
+            "CPU: no pinned memory or device copy, so the baselines are "
+            "np.copyto and from_numpy().clone(); seed-style pool pageable"
+        )
 
     for elements in _COPY_ELEMENTS:
         nbytes = elements * 4
@@ -165,29 +185,32 @@ def copy_to_uva(device: Any, quick: bool) -> Iterator[Row]:
         pools: dict[str, Any] = {}
         try:
             for framework in ("torch", "view"):
-                pools[framework] = UvaBufferPool(elements, "int32", 2, device,
-                                                 framework=framework)  # fmt: skip
+                pools[framework] = UvaBufferPool(elements, "int32", 2, device, framework=framework)
             pools["seed"] = _SeedStyleUvaPool(elements, torch.int32, device)
+            # Every candidate binds this iteration's x (default arguments): the functions
+            # are timed within the iteration, but must not depend on that.
             candidates: dict[str, Callable[[], Any]] = {
-                "torch": lambda pool=pools["torch"]: pool.copy_to_uva(x),
-                "view": lambda pool=pools["view"]: pool.copy_to_uva(x),
-                "seed": lambda pool=pools["seed"]: pool.copy_to_uva(x),
+                "torch": lambda pool=pools["torch"], x=x: pool.copy_to_uva(x),
+                "view": lambda pool=pools["view"], x=x: pool.copy_to_uva(x),
+                "seed": lambda pool=pools["seed"], x=x: pool.copy_to_uva(x),
             }
             if cuda:
-                candidates["pinned"] = lambda: torch.from_numpy(x).pin_memory().to(
-                    torch_device, non_blocking=True)  # fmt: skip
-                candidates["device"] = lambda: torch.as_tensor(x).to(torch_device)
+                candidates["pinned"] = lambda x=x: (
+                    torch.from_numpy(x).pin_memory().to(torch_device, non_blocking=True)
+                )
+                candidates["device"] = lambda x=x: torch.as_tensor(x).to(torch_device)
             else:
                 destination = np.empty_like(x)
-                candidates["pinned"] = lambda: np.copyto(destination, x)
-                candidates["device"] = lambda: torch.from_numpy(x).clone()
+                candidates["pinned"] = lambda x=x, out=destination: np.copyto(out, x)
+                candidates["device"] = lambda x=x: torch.from_numpy(x).clone()
             # Check the pools before timing them: both return x's values.
             for key in ("torch", "seed"):
                 got = candidates[key]().cpu().numpy()
                 if not np.array_equal(got, x):
                     raise RuntimeError(f"{key} pool returned wrong values")
-            medians = _interleaved_per_call(candidates, number=number, rounds=rounds,
-                                            synchronize=sync)  # fmt: skip
+            medians = _interleaved_per_call(
+                candidates, number=number, rounds=rounds, synchronize=sync
+            )
         finally:
             for pool in pools.values():
                 pool.close()
@@ -197,12 +220,22 @@ def copy_to_uva(device: Any, quick: bool) -> Iterator[Row]:
         size = format_bytes(nbytes)
         for framework in ("torch", "view"):
             name = f"copy_to_uva {size} (jaxbuf, framework={framework!r})"
-            params = {"size_bytes": nbytes, "elements": elements, "framework": framework,
-                      "calls_per_sample": number, "samples": rounds}  # fmt: skip
+            params = {
+                "size_bytes": nbytes,
+                "elements": elements,
+                "framework": framework,
+                "calls_per_sample": number,
+                "samples": rounds,
+            }
             median = medians[framework]
-            seed_row = Row(name, median, "seed-style pool (pinned torch, sliced view)",
-                           medians["seed"], notes=platform_notes,
-                           params={**params, "baseline_kind": "seed"})  # fmt: skip
+            seed_row = Row(
+                name,
+                median,
+                "seed-style pool (pinned torch, sliced view)",
+                medians["seed"],
+                notes=platform_notes,
+                params={**params, "baseline_kind": "seed"},
+            )
             not_slower = seed_row.ratio is not None and seed_row.ratio >= _SEED_TARGET
             if elements == _COPY_ELEMENTS[0]:
                 seed_row.target = f"<= {_HOST_TARGET_S * 1e6:g} µs, >= {_SEED_TARGET:g}x"
@@ -212,36 +245,57 @@ def copy_to_uva(device: Any, quick: bool) -> Iterator[Row]:
                 seed_row.met = not_slower
             yield seed_row
             for kind in ("pinned", "device"):
-                yield Row(name, median, baseline_names[kind], medians[kind],
-                          notes=platform_notes,
-                          params={**params, "baseline_kind": kind})  # fmt: skip
+                yield Row(
+                    name,
+                    median,
+                    baseline_names[kind],
+                    medians[kind],
+                    notes=platform_notes,
+                    params={**params, "baseline_kind": kind},
+                )
 
 
-def _copy_to_uva_without_torch(device: Any, number: int, rounds: int, sync: Callable[[], None],
-                               error: ImportError) -> Iterator[Row]:  # fmt: skip
+def _copy_to_uva_without_torch(
+    device: Any, number: int, rounds: int, sync: Callable[[], None], error: ImportError
+) -> Iterator[Row]:
     """torch missing: the view pool against np.copyto only."""
     for elements in _COPY_ELEMENTS:
         x = np.arange(elements, dtype=np.int32)
         destination = np.empty_like(x)
         pool = UvaBufferPool(elements, "int32", 2, device, framework="view")
         try:
+            candidates = {
+                "view": lambda pool=pool, x=x: pool.copy_to_uva(x),
+                "copyto": lambda x=x, out=destination: np.copyto(out, x),
+            }
             medians = _interleaved_per_call(
-                {"view": lambda: pool.copy_to_uva(x), "copyto": lambda: np.copyto(destination, x)},
-                number=number, rounds=rounds, synchronize=sync,
-            )  # fmt: skip
+                candidates, number=number, rounds=rounds, synchronize=sync
+            )
         finally:
             pool.close()
-        yield Row(f"copy_to_uva {format_bytes(elements * 4)} (jaxbuf, framework='view')",
-                  medians["view"], "np.copyto (preallocated)", medians["copyto"],
-                  notes=f"skipped torch baselines: {error.name or 'torch'} is not installed",
-                  params={"size_bytes": elements * 4, "elements": elements,
-                          "framework": "view", "baseline_kind": "copyto"})  # fmt: skip
+        yield Row(
+            f"copy_to_uva {format_bytes(elements * 4)} (jaxbuf, framework='view')",
+            medians["view"],
+            "np.copyto (preallocated)",
+            medians["copyto"],
+            notes=f"skipped torch baselines: {error.name or 'torch'} is not installed",
+            params={
+                "size_bytes": elements * 4,
+                "elements": elements,
+                "framework": "view",
+                "baseline_kind": "copyto",
+            },
+        )
 
 
 def _time_alternating(
-    functions: dict[str, Callable[[], Any]], *, repeat: int, setup: Callable[[], None],
-    synchronize: Callable[[], None], device_timer: Any,
-) -> dict[str, tuple[float, float | None]]:  # fmt: skip
+    functions: dict[str, Callable[[], Any]],
+    *,
+    repeat: int,
+    setup: Callable[[], None],
+    synchronize: Callable[[], None],
+    device_timer: Any,
+) -> dict[str, tuple[float, float | None]]:
     """``key -> (host median, device median or None)`` of single calls, the functions
     alternating sample by sample; ``setup`` runs untimed before each sample."""
     for fn in functions.values():  # warm-up: kernels loaded, allocator primed
@@ -250,14 +304,21 @@ def _time_alternating(
     device: dict[str, list[float]] = {key: [] for key in functions}
     for _ in range(repeat):
         for key, fn in functions.items():
-            timing = measure(lambda _state, fn=fn: fn(), repeat=1, warmup=0, setup=setup,
-                             synchronize=synchronize, device_timer=device_timer)  # fmt: skip
+            timing = measure(
+                lambda _state, fn=fn: fn(),
+                repeat=1,
+                warmup=0,
+                setup=setup,
+                synchronize=synchronize,
+                device_timer=device_timer,
+            )
             host[key].extend(timing.samples_s)
             if timing.device_median_s is not None:
                 device[key].append(timing.device_median_s)
-    return {key: (statistics.median(host[key]),
-                  statistics.median(device[key]) if device[key] else None)
-            for key in functions}  # fmt: skip
+    return {
+        key: (statistics.median(host[key]), statistics.median(device[key]) if device[key] else None)
+        for key in functions
+    }
 
 
 def _nothing() -> None:
@@ -270,15 +331,13 @@ def _read_sizes(device: Any, quick: bool) -> list[int]:
     return [4 * KiB << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
 
 
-@suite("uva.read")
-def read(device: Any, quick: bool) -> Iterator[Row]:
-    """A kernel reading 4 KiB-64 MiB in place from UVA against from device memory."""
-    try:
-        import torch
-    except ImportError as error:
-        yield Row("read from UVA", None, notes=f"skipped: {error.name or 'torch'} is not installed")
-        return
+@suite("uva.read", requires=("torch",))
+def read(device: Any, quick: bool) -> Iterator[Row | Sizes]:
+    """A kernel reading in place from UVA against the same kernel on device memory."""
+    import torch
+
     repeat = 5 if quick else 20
+    yield Sizes(", ".join(map(format_bytes, _read_sizes(device, quick))))
     sync = device_synchronizer(device)
     timer = device_event_timer(device)
     cuda = device.is_cuda
@@ -295,15 +354,17 @@ def read(device: Any, quick: bool) -> Iterator[Row]:
         setup = flush_l2
         notes = {
             "device": "median: device time (CUDA events), L2 flushed before each sample; "
-                      "ratio < 1 expected at large sizes: UVA reads cross the host link, "
-                      "device memory reads HBM; no target",
+            "ratio < 1 expected at large sizes: UVA reads cross the host link, "
+            "device memory reads HBM; no target",
             "copy": "median: device time (CUDA events); the copy engine's H2D copy then "
-                    "the read: UVA pays off while the ratio is >= 1; no target",
-        }  # fmt: skip
+            "the read: UVA pays off while the ratio is >= 1; no target",
+        }
     else:
         scratch = None
-        cpu_note = ("CPU: UVA and 'device' memory are both host RAM (ratio ~1, host time); "
-                    "the crossover is a CUDA measurement; no target")  # fmt: skip
+        cpu_note = (
+            "CPU: UVA and 'device' memory are both host RAM (ratio ~1, host time); "
+            "the crossover is a CUDA measurement; no target"
+        )
         notes = {"device": cpu_note, "copy": cpu_note}
     try:
         for nbytes in _read_sizes(device, quick):
@@ -326,8 +387,9 @@ def read(device: Any, quick: bool) -> Iterator[Row]:
                     return dst.sum()
 
                 functions = {"uva": uva.sum, "device": device_copy.sum, "copy": copy_then_read}
-                timings = _time_alternating(functions, repeat=repeat, setup=setup,
-                                            synchronize=sync, device_timer=timer)  # fmt: skip
+                timings = _time_alternating(
+                    functions, repeat=repeat, setup=setup, synchronize=sync, device_timer=timer
+                )
             finally:
                 # Drop every tensor over the pinned memory before freeing it.
                 functions = copy_then_read = host_source = uva = device_copy = None
@@ -336,21 +398,32 @@ def read(device: Any, quick: bool) -> Iterator[Row]:
 
             size = format_bytes(nbytes)
 
-            def primary(key: str) -> float:
+            def primary(key: str, timings: dict = timings) -> float:
                 host_s, device_s = timings[key]
                 return device_s if device_s is not None else host_s
 
-            for key, baseline in (("device", f"read {size} from device memory"),
-                                  ("copy", f"copy {size} to device memory + read")):  # fmt: skip
+            for key, baseline in (
+                ("device", f"read {size} from device memory"),
+                ("copy", f"copy {size} to device memory + read"),
+            ):
                 yield Row(
-                    f"read {size} from UVA", primary("uva"), baseline, primary(key),
-                    notes=notes[key], target=None,  # type: ignore[arg-type]
+                    f"read {size} from UVA",
+                    primary("uva"),
+                    baseline,
+                    primary(key),
+                    notes=notes[key],
+                    target=None,  # type: ignore[arg-type]
                     device_median_s=timings["uva"][1],
                     baseline_device_median_s=timings[key][1],
-                    params={"size_bytes": nbytes, "kernel": "sum", "baseline_kind": key,
-                            "host_median_s": timings["uva"][0],
-                            "baseline_host_median_s": timings[key][0], "samples": repeat},
-                )  # fmt: skip
+                    params={
+                        "size_bytes": nbytes,
+                        "kernel": "sum",
+                        "baseline_kind": key,
+                        "host_median_s": timings["uva"][0],
+                        "baseline_host_median_s": timings[key][0],
+                        "samples": repeat,
+                    },
+                )
     finally:
-        del scratch
+        scratch = None  # drop the L2-flushing tensor before returning torch's cache
         release_torch_memory(device)

@@ -4,6 +4,11 @@ Buffer logic (``extensible.py``, ``uva.py``, ``staged.py``) never calls CUDA or 
 directly; it calls a :class:`VmmDriver`. Tests wrap a driver to fail any call, and a
 new platform (HIP) is one more subclass.
 
+Drivers are the bottom layer: they know platforms by name (``"cpu"``, ``"cuda"``) and devices
+by index, and import no other part of jaxbuf (no devices, views or frameworks). What a driver
+needs from above arrives through hooks: :data:`out_of_memory_hooks`, which the framework
+adapters (:mod:`jaxbuf.interop`) fill.
+
 The model is CUDA's virtual memory management, which the CPU driver reproduces:
 
 * ``reserve`` takes address space with no memory behind it;
@@ -17,8 +22,10 @@ The model is CUDA's virtual memory management, which the CPU driver reproduces:
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from jaxbuf._errors import attempt
 
 # DLPack device types (dlpack.h, DLDeviceType).
 K_DL_CPU = 1
@@ -45,6 +52,25 @@ class DriverError(RuntimeError):
     @property
     def out_of_memory(self) -> bool:
         return "OUT_OF_MEMORY" in self.error_name or self.error_name == "ENOMEM"
+
+
+#: Called (without arguments) when a driver's allocation fails for lack of memory, to return
+#: memory cached elsewhere in the process; each returns True when it released something, so
+#: that a retry may succeed. :mod:`jaxbuf.interop` registers one that asks every loaded
+#: framework adapter (torch: ``torch.cuda.empty_cache``). Append to add your own.
+out_of_memory_hooks: list[Callable[[], bool]] = []
+
+
+def release_cached_memory(error: BaseException) -> bool:
+    """Run every out-of-memory hook for ``error`` (an out-of-memory :class:`DriverError`);
+    True when one released something. A failing hook becomes a note on ``error``."""
+    released = False
+    for hook in list(out_of_memory_hooks):
+        try:
+            released = bool(hook()) or released
+        except Exception as hook_error:  # noqa: BLE001 - reported as a note
+            error.add_note(f"out-of-memory hook {hook!r} failed: {hook_error!r}")
+    return released
 
 
 class VmmDriver(abc.ABC):
@@ -166,10 +192,7 @@ class VmmDriver(abc.ABC):
         try:
             self.unmap(src_ptr, size)
         except BaseException as error:
-            try:
-                self.unmap(dst_ptr, size)
-            except Exception as rollback_error:  # noqa: BLE001 - reported as a note
-                error.add_note(f"move_mapping rollback: unmap failed too: {rollback_error!r}")
+            attempt(error, "move_mapping rollback: unmap", self.unmap, dst_ptr, size)
             raise
 
     # -- work on the memory ---------------------------------------------------------

@@ -1,18 +1,25 @@
 """The CUDA driver: :class:`CudaVmmDriver` on ``cuda.bindings.driver`` (cuda-python).
 
-Every driver call's result goes through :func:`_check`, the only place that knows the
-binding's result shape (a tuple ``(CUresult, *values)``) and turns a failure into a
+Every driver call's result goes through :meth:`CudaVmmDriver._check`, the only place that
+knows the binding's result shape (a tuple ``(CUresult, *values)``) and turns a failure into a
 :class:`~jaxbuf.drivers.base.DriverError` named by ``cuGetErrorName``.
 
 Contexts: jaxbuf uses each device's *primary* context, the one the CUDA runtime (and so
 torch and JAX) also uses, so pointers and streams are shared with the frameworks. It
 retains it itself, so it works before either framework touched the device.
 
-ROCm seam: a HIP driver would subclass :class:`CudaVmmDriver` with ``platform`` still
-``"cuda"`` (torch calls ROCm devices ``cuda``), ``dlpack_device_type = K_DL_ROCM`` and
-``dlpack_host_device_type = K_DL_ROCM_HOST``, and replace the binding module (``hip``'s
-``hipMem*`` calls mirror the ``cuMem*`` ones), ``_check``'s error-name lookup and the
-probe in ``unavailable_reason``. The method bodies map one to one.
+Out of memory: :meth:`~CudaVmmDriver.create` asks the hooks of
+:data:`jaxbuf.drivers.base.out_of_memory_hooks` to return cached memory (the framework
+adapters register one: torch empties its caching allocator) and retries once. This module
+imports no framework.
+
+ROCm seam: the binding is held on the instance (``self._cu``), so a HIP driver is a subclass
+that passes its own binding: ``platform`` still ``"cuda"`` (torch calls ROCm devices
+``cuda``), ``dlpack_device_type = K_DL_ROCM``, ``dlpack_host_device_type = K_DL_ROCM_HOST``,
+and a binding namespace whose ``cu*`` names map to hip-python's ``hip*`` calls (they mirror
+the ``cuMem*`` ones), with the enum names the methods read (``CUresult``, ``CUstream``, ...).
+``_error_name`` and ``_probe`` are methods to override where HIP differs. The method bodies
+map one to one.
 """
 
 from __future__ import annotations
@@ -20,63 +27,30 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from jaxbuf._frameworks import loaded_module
-from jaxbuf.drivers.base import K_DL_CUDA, K_DL_CUDA_HOST, DriverError, VmmDriver
+from jaxbuf.drivers.base import (
+    K_DL_CUDA,
+    K_DL_CUDA_HOST,
+    DriverError,
+    VmmDriver,
+    release_cached_memory,
+)
 
 try:
     from cuda.bindings import driver as _cu
 except ImportError:  # cuda-bindings is an optional extra; unavailable_reason says so.
     _cu = None
 
-if _cu is not None:
-    _SUCCESS = _cu.CUresult.CUDA_SUCCESS
-    _NOT_SUPPORTED = _cu.CUresult.CUDA_ERROR_NOT_SUPPORTED
-    # DLPack stream numbers (dlpack.h, __dlpack__): 1 is the legacy default stream, 2 the
-    # per-thread default stream; any other value is a CUstream pointer. Both constants
-    # equal their DLPack number today; spelled out so the mapping does not rest on it.
-    _DLPACK_STREAMS = {1: _cu.CU_STREAM_LEGACY, 2: _cu.CU_STREAM_PER_THREAD}
-    # Producer work (memset, copy, ready events) goes on the legacy default stream of the
-    # device's primary context: it orders against every blocking stream, which is what
-    # torch's and JAX's default streams are, so no framework stream needs to be known here.
-    _PRODUCER_STREAM = _cu.CUstream(0)
-    # cuda-bindings loads libcuda lazily, on the first driver call, through
-    # cuda-pathfinder, which raises DynamicLibNotFoundError when no NVIDIA driver is
-    # installed. It is a RuntimeError, as is what older loaders raise (a failed dlopen),
-    # so RuntimeError is caught; OSError covers a loader that lets dlopen's error through.
-    _LIBRARY_NOT_FOUND: tuple[type[Exception], ...] = (RuntimeError, OSError)
-    try:
-        from cuda.pathfinder import DynamicLibNotFoundError
+# cuda-bindings loads libcuda lazily, on the first driver call, through cuda-pathfinder,
+# which raises DynamicLibNotFoundError when no NVIDIA driver is installed. It is a
+# RuntimeError, as is what older loaders raise (a failed dlopen), so RuntimeError is caught;
+# OSError covers a loader that lets dlopen's error through.
+_LIBRARY_NOT_FOUND: tuple[type[Exception], ...] = (RuntimeError, OSError)
+try:
+    from cuda.pathfinder import DynamicLibNotFoundError
 
-        _LIBRARY_NOT_FOUND = (DynamicLibNotFoundError, *_LIBRARY_NOT_FOUND)
-    except ImportError:
-        pass
-
-
-def _error_name(error: Any) -> str:
-    """``CUDA_ERROR_...`` for a ``CUresult``, from the driver when it knows it."""
-    try:
-        status, name = _cu.cuGetErrorName(error)
-    except _LIBRARY_NOT_FOUND:  # libcuda not loadable: fall back to the enum's name
-        status, name = None, None
-    if status == _SUCCESS and name:
-        return name.decode() if isinstance(name, bytes) else str(name)
-    return getattr(error, "name", str(error))
-
-
-def _check(result: tuple, call: str, **sizes: Any) -> Any:
-    """Unpack a ``cuda.bindings`` result ``(CUresult, *values)``.
-
-    Returns None, the one value, or the tuple of values; raises
-    ``DriverError(call, error_name, **sizes)`` when the ``CUresult`` is not success.
-    """
-    error = result[0]
-    if error != _SUCCESS:
-        raise DriverError(call, _error_name(error), **sizes)
-    if len(result) == 1:
-        return None
-    if len(result) == 2:
-        return result[1]
-    return result[1:]
+    _LIBRARY_NOT_FOUND = (DynamicLibNotFoundError, *_LIBRARY_NOT_FOUND)
+except ImportError:
+    pass
 
 
 def _is_wsl() -> bool:
@@ -109,7 +83,23 @@ class CudaVmmDriver(VmmDriver):
 
     _UNPROBED: Any = object()
 
-    def __init__(self) -> None:
+    def __init__(self, binding: Any = None) -> None:
+        """``binding``: the driver-API module the methods call (default ``cuda.bindings.driver``,
+        looked up when the driver is made; a HIP subclass passes its own)."""
+        cu = self._cu = _cu if binding is None else binding
+        if cu is not None:
+            self._success = cu.CUresult.CUDA_SUCCESS
+            self._not_supported = cu.CUresult.CUDA_ERROR_NOT_SUPPORTED
+            # DLPack stream numbers (dlpack.h, __dlpack__): 1 is the legacy default stream,
+            # 2 the per-thread default stream; any other value is a CUstream pointer. Both
+            # constants equal their DLPack number today; spelled out so the mapping does not
+            # rest on it.
+            self._dlpack_streams = {1: cu.CU_STREAM_LEGACY, 2: cu.CU_STREAM_PER_THREAD}
+            # Producer work (memset, copy, ready events) goes on the legacy default stream of
+            # the device's primary context: it orders against every blocking stream, which is
+            # what torch's and JAX's default streams are, so no framework stream needs to be
+            # known here.
+            self._producer_stream = cu.CUstream(0)
         self._unavailable_reason: Any = self._UNPROBED
         self._device_count = 0
         self._lock = threading.Lock()
@@ -127,6 +117,32 @@ class CudaVmmDriver(VmmDriver):
         self._host_devices: dict[int, int] = {}
         self._confidential_computing_reason: Any = self._UNPROBED
 
+    # -- results -----------------------------------------------------------------------
+    def _error_name(self, error: Any) -> str:
+        """``CUDA_ERROR_...`` for a ``CUresult``, from the driver when it knows it."""
+        try:
+            status, name = self._cu.cuGetErrorName(error)
+        except _LIBRARY_NOT_FOUND:  # libcuda not loadable: fall back to the enum's name
+            status, name = None, None
+        if status == self._success and name:
+            return name.decode() if isinstance(name, bytes) else str(name)
+        return getattr(error, "name", str(error))
+
+    def _check(self, result: tuple, call: str, **sizes: Any) -> Any:
+        """Unpack a binding result ``(CUresult, *values)``.
+
+        Returns None, the one value, or the tuple of values; raises
+        ``DriverError(call, error_name, **sizes)`` when the ``CUresult`` is not success.
+        """
+        error = result[0]
+        if error != self._success:
+            raise DriverError(call, self._error_name(error), **sizes)
+        if len(result) == 1:
+            return None
+        if len(result) == 2:
+            return result[1]
+        return result[1:]
+
     # -- probing --------------------------------------------------------------------
     def unavailable_reason(self) -> str | None:
         """None when CUDA VMM works here, else one sentence saying why not. Cached."""
@@ -135,25 +151,29 @@ class CudaVmmDriver(VmmDriver):
         return self._unavailable_reason
 
     def _probe(self) -> str | None:
-        if _cu is None:
+        if self._cu is None:
             return "cuda-bindings is not installed (pip install jaxbuf[cuda])."
         try:
-            (error,) = _cu.cuInit(0)
+            (error,) = self._cu.cuInit(0)
         except _LIBRARY_NOT_FOUND as exc:
             detail = str(exc).strip().rstrip(".")
             return f"No NVIDIA driver: libcuda could not be loaded ({detail})."
-        if error != _SUCCESS:
-            return f"cuInit failed with {_error_name(error)}."
-        error, count = _cu.cuDeviceGetCount()
-        if error != _SUCCESS:
-            return f"cuDeviceGetCount failed with {_error_name(error)}."
+        if error != self._success:
+            return f"cuInit failed with {self._error_name(error)}."
+        error, count = self._cu.cuDeviceGetCount()
+        if error != self._success:
+            return f"cuDeviceGetCount failed with {self._error_name(error)}."
         if count == 0:
             return "No CUDA device is visible."
-        attribute = _cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+        attribute = (
+            self._cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+        )
         for index in range(count):
-            error, supported = _cu.cuDeviceGetAttribute(attribute, index)
-            if error != _SUCCESS:
-                return f"cuDeviceGetAttribute on device {index} failed with {_error_name(error)}."
+            error, supported = self._cu.cuDeviceGetAttribute(attribute, index)
+            if error != self._success:
+                return (
+                    f"cuDeviceGetAttribute on device {index} failed with {self._error_name(error)}."
+                )
             if not supported:
                 return f"CUDA device {index} does not support virtual memory management."
         if _is_wsl():
@@ -187,13 +207,13 @@ class CudaVmmDriver(VmmDriver):
         """
         cached = self._primary_contexts.get(device_index)
         if cached is not None:
-            error, current = _cu.cuCtxGetCurrent()
-            if error == _SUCCESS and int(current) == cached[1]:
+            error, current = self._cu.cuCtxGetCurrent()
+            if error == self._success and int(current) == cached[1]:
                 return
             context = cached[0]
         else:
             context = self._retain_primary_context(device_index)
-        _check(_cu.cuCtxSetCurrent(context), "cuCtxSetCurrent", device=device_index)
+        self._check(self._cu.cuCtxSetCurrent(context), "cuCtxSetCurrent", device=device_index)
 
     def _retain_primary_context(self, device_index: int) -> Any:
         reason = self.unavailable_reason()
@@ -206,9 +226,11 @@ class CudaVmmDriver(VmmDriver):
         with self._lock:  # two threads must not both retain (one retain would leak)
             cached = self._primary_contexts.get(device_index)
             if cached is None:
-                device = _check(_cu.cuDeviceGet(device_index), "cuDeviceGet", device=device_index)
-                context = _check(
-                    _cu.cuDevicePrimaryCtxRetain(device),
+                device = self._check(
+                    self._cu.cuDeviceGet(device_index), "cuDeviceGet", device=device_index
+                )
+                context = self._check(
+                    self._cu.cuDevicePrimaryCtxRetain(device),
                     "cuDevicePrimaryCtxRetain",
                     device=device_index,
                 )
@@ -220,17 +242,17 @@ class CudaVmmDriver(VmmDriver):
         """The pinned-device ``CUmemAllocationProp`` for ``device_index`` (cached)."""
         prop = self._allocation_props.get(device_index)
         if prop is None:
-            prop = _cu.CUmemAllocationProp()
-            prop.type = _cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-            prop.location.type = _cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            prop = self._cu.CUmemAllocationProp()
+            prop.type = self._cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            prop.location.type = self._cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             prop.location.id = device_index
             # Ask for an exportable handle now so chunks can be shared across processes
             # later, where the device says it can export; create() also falls back when
             # the driver refuses it anyway.
-            handle_types = _cu.CUmemAllocationHandleType
-            attributes = _cu.CUdevice_attribute
-            exportable = _check(
-                _cu.cuDeviceGetAttribute(
+            handle_types = self._cu.CUmemAllocationHandleType
+            attributes = self._cu.CUdevice_attribute
+            exportable = self._check(
+                self._cu.cuDeviceGetAttribute(
                     attributes.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
                     device_index,
                 ),
@@ -251,10 +273,10 @@ class CudaVmmDriver(VmmDriver):
         if granularity is None:
             self.ensure_context(device_index)
             granularity = int(
-                _check(
-                    _cu.cuMemGetAllocationGranularity(
+                self._check(
+                    self._cu.cuMemGetAllocationGranularity(
                         self._allocation_prop(device_index),
-                        _cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                        self._cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
                     ),
                     "cuMemGetAllocationGranularity",
                     device=device_index,
@@ -266,8 +288,8 @@ class CudaVmmDriver(VmmDriver):
     # -- virtual memory -------------------------------------------------------------
     def reserve(self, size: int, alignment: int = 0) -> int:
         """``cuMemAddressReserve``: ``size`` bytes of address space, no memory behind it."""
-        ptr = _check(
-            _cu.cuMemAddressReserve(size, alignment, 0, 0),
+        ptr = self._check(
+            self._cu.cuMemAddressReserve(size, alignment, 0, 0),
             "cuMemAddressReserve",
             size=size,
             alignment=alignment,
@@ -275,20 +297,23 @@ class CudaVmmDriver(VmmDriver):
         return int(ptr)
 
     def free_reserved(self, ptr: int, size: int) -> None:
-        _check(_cu.cuMemAddressFree(ptr, size), "cuMemAddressFree", ptr=hex(ptr), size=size)
+        self._check(
+            self._cu.cuMemAddressFree(ptr, size), "cuMemAddressFree", ptr=hex(ptr), size=size
+        )
 
     def create(self, size: int, device_index: int) -> Any:
         """``cuMemCreate``: one pinned chunk on ``device_index``; returns its
         ``CUmemGenericAllocationHandle``.
 
-        On out-of-memory, frameworks already imported are asked to return their cached
-        memory and the call is retried once.
+        On out-of-memory, the hooks of :data:`~jaxbuf.drivers.base.out_of_memory_hooks` are
+        asked to return cached memory (frameworks already imported: torch empties its cache)
+        and, when one did, the call is retried once.
         """
         self.ensure_context(device_index)
         try:
             return self._create(size, device_index)
         except DriverError as error:
-            if not error.out_of_memory or not _release_framework_caches():
+            if not error.out_of_memory or not release_cached_memory(error):
                 raise
         # A framework's cache release may have switched this thread's context.
         self.ensure_context(device_index)
@@ -296,33 +321,35 @@ class CudaVmmDriver(VmmDriver):
 
     def _create(self, size: int, device_index: int) -> Any:
         prop = self._allocation_prop(device_index)
-        error, handle = _cu.cuMemCreate(size, prop, 0)
-        if error == _NOT_SUPPORTED and (
-            prop.requestedHandleTypes != _cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        error, handle = self._cu.cuMemCreate(size, prop, 0)
+        if error == self._not_supported and (
+            prop.requestedHandleTypes != self._cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
         ):
             # This device or driver cannot export handles: stop asking for it, for good.
-            prop.requestedHandleTypes = _cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-            error, handle = _cu.cuMemCreate(size, prop, 0)
-        return _check((error, handle), "cuMemCreate", size=size, device=device_index)
+            prop.requestedHandleTypes = self._cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+            error, handle = self._cu.cuMemCreate(size, prop, 0)
+        return self._check((error, handle), "cuMemCreate", size=size, device=device_index)
 
     def release(self, handle: Any) -> None:
-        _check(_cu.cuMemRelease(handle), "cuMemRelease", handle=int(handle))
+        self._check(self._cu.cuMemRelease(handle), "cuMemRelease", handle=int(handle))
 
     def map(self, ptr: int, size: int, handle: Any) -> None:
-        _check(_cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap", ptr=hex(ptr), size=size)
+        self._check(self._cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap", ptr=hex(ptr), size=size)
 
     def unmap(self, ptr: int, size: int) -> None:
-        _check(_cu.cuMemUnmap(ptr, size), "cuMemUnmap", ptr=hex(ptr), size=size)
+        self._check(self._cu.cuMemUnmap(ptr, size), "cuMemUnmap", ptr=hex(ptr), size=size)
 
     def export_handle(self, handle: Any) -> int:
         """``cuMemExportToShareableHandle`` as a POSIX file descriptor the caller owns.
 
         The chunk must have been created exportable: :meth:`create` asks for
         ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`` where the device supports it; otherwise
-        the driver reports ``CUDA_ERROR_INVALID_VALUE`` or ``CUDA_ERROR_NOT_SUPPORTED``."""
-        fd = _check(
-            _cu.cuMemExportToShareableHandle(
-                handle, _cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+        the driver reports ``CUDA_ERROR_INVALID_VALUE`` or ``CUDA_ERRORself._not_supported``."""
+        fd = self._check(
+            self._cu.cuMemExportToShareableHandle(
+                handle,
+                self._cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
             ),
             "cuMemExportToShareableHandle",
             handle=int(handle),
@@ -336,9 +363,9 @@ class CudaVmmDriver(VmmDriver):
         self.ensure_context(device_index)
         # cuda.bindings passes an int osHandle as the void* value itself, which is how
         # the driver wants a POSIX descriptor: (void *)(uintptr_t)fd.
-        return _check(
-            _cu.cuMemImportFromShareableHandle(
-                fd, _cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return self._check(
+            self._cu.cuMemImportFromShareableHandle(
+                fd, self._cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
             ),
             "cuMemImportFromShareableHandle",
             fd=fd,
@@ -365,18 +392,16 @@ class CudaVmmDriver(VmmDriver):
         if descs is None:
             descs = []
             for index in key:
-                desc = _cu.CUmemAccessDesc()
-                desc.location.type = _cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                desc = self._cu.CUmemAccessDesc()
+                desc.location.type = self._cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
                 desc.location.id = index
-                desc.flags = _cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                desc.flags = self._cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
                 descs.append(desc)
             self._access_descs[key] = descs
         self.ensure_context(key[0])
-        devices: dict[str, Any] = (
-            {"device": key[0]} if len(key) == 1 else {"devices": list(key)}
-        )
-        _check(
-            _cu.cuMemSetAccess(ptr, size, descs, len(descs)),
+        devices: dict[str, Any] = {"device": key[0]} if len(key) == 1 else {"devices": list(key)}
+        self._check(
+            self._cu.cuMemSetAccess(ptr, size, descs, len(descs)),
             "cuMemSetAccess",
             ptr=hex(ptr),
             size=size,
@@ -392,8 +417,8 @@ class CudaVmmDriver(VmmDriver):
         allowed = self._peer_access.get(key)
         if allowed is None:
             allowed = bool(
-                _check(
-                    _cu.cuDeviceCanAccessPeer(device_index, peer_index),
+                self._check(
+                    self._cu.cuDeviceCanAccessPeer(device_index, peer_index),
                     "cuDeviceCanAccessPeer",
                     device=device_index,
                     peer=peer_index,
@@ -406,8 +431,8 @@ class CudaVmmDriver(VmmDriver):
     def memset(self, ptr: int, value: int, size: int, device_index: int) -> None:
         """``cuMemsetD8Async`` on the legacy default stream."""
         self.ensure_context(device_index)
-        _check(
-            _cu.cuMemsetD8Async(ptr, value, size, _PRODUCER_STREAM),
+        self._check(
+            self._cu.cuMemsetD8Async(ptr, value, size, self._producer_stream),
             "cuMemsetD8Async",
             ptr=hex(ptr),
             value=value,
@@ -419,8 +444,8 @@ class CudaVmmDriver(VmmDriver):
         """``cuMemcpyAsync`` on the legacy default stream (unified addressing: any two
         device or mapped-host pointers)."""
         self.ensure_context(device_index)
-        _check(
-            _cu.cuMemcpyAsync(dst, src, size, _PRODUCER_STREAM),
+        self._check(
+            self._cu.cuMemcpyAsync(dst, src, size, self._producer_stream),
             "cuMemcpyAsync",
             dst=hex(dst),
             src=hex(src),
@@ -430,12 +455,12 @@ class CudaVmmDriver(VmmDriver):
 
     def synchronize(self, device_index: int) -> None:
         self.ensure_context(device_index)
-        _check(_cu.cuCtxSynchronize(), "cuCtxSynchronize", device=device_index)
+        self._check(self._cu.cuCtxSynchronize(), "cuCtxSynchronize", device=device_index)
 
     def memory_info(self, device_index: int) -> tuple[int, int]:
         """``cuMemGetInfo``: ``(free_bytes, total_bytes)`` of ``device_index``."""
         self.ensure_context(device_index)
-        free, total = _check(_cu.cuMemGetInfo(), "cuMemGetInfo", device=device_index)
+        free, total = self._check(self._cu.cuMemGetInfo(), "cuMemGetInfo", device=device_index)
         return int(free), int(total)
 
     def stream_wait_event(self, stream: int, event: Any, device_index: int) -> None:
@@ -449,69 +474,72 @@ class CudaVmmDriver(VmmDriver):
             raise ValueError(
                 f"invalid CUDA stream {stream!r} for DLPack: expected 1, 2 or a stream handle"
             )
-        handle = _cu.CUstream(_DLPACK_STREAMS.get(stream, stream))
+        handle = self._cu.CUstream(self._dlpack_streams.get(stream, stream))
         self.ensure_context(device_index)
-        _check(
-            _cu.cuStreamWaitEvent(handle, event, 0),
+        self._check(
+            self._cu.cuStreamWaitEvent(handle, event, 0),
             "cuStreamWaitEvent",
             stream=hex(stream),
             device=device_index,
         )
 
     def destroy_event(self, event: Any) -> None:
-        _check(_cu.cuEventDestroy(event), "cuEventDestroy")
+        self._check(self._cu.cuEventDestroy(event), "cuEventDestroy")
 
     def record_event(self, stream: int, device_index: int) -> Any:
         """A ``CUevent`` (timing disabled) recorded on the consumer ``stream`` (a DLPack
         stream number, as in :meth:`stream_wait_event`). The caller destroys it."""
         if not isinstance(stream, int) or stream <= 0:
             raise ValueError(f"invalid CUDA stream {stream!r}: expected 1, 2 or a stream handle")
-        handle = _cu.CUstream(_DLPACK_STREAMS.get(stream, stream))
+        handle = self._cu.CUstream(self._dlpack_streams.get(stream, stream))
         self.ensure_context(device_index)
-        event = _check(
-            _cu.cuEventCreate(_cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+        event = self._check(
+            self._cu.cuEventCreate(self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
             "cuEventCreate",
             device=device_index,
         )
         try:
-            _check(_cu.cuEventRecord(event, handle), "cuEventRecord", stream=hex(stream))
+            self._check(self._cu.cuEventRecord(event, handle), "cuEventRecord", stream=hex(stream))
         except DriverError:
-            _cu.cuEventDestroy(event)  # the record error is the one to report
+            self._cu.cuEventDestroy(event)  # the record error is the one to report
             raise
         return event
 
     def event_query(self, event: Any) -> bool:
         """``cuEventQuery``: True when done, False while ``CUDA_ERROR_NOT_READY``."""
-        (error,) = _cu.cuEventQuery(event)
-        if error == _SUCCESS:
+        (error,) = self._cu.cuEventQuery(event)
+        if error == self._success:
             return True
-        if error == _cu.CUresult.CUDA_ERROR_NOT_READY:
+        if error == self._cu.CUresult.CUDA_ERROR_NOT_READY:
             return False
-        raise DriverError("cuEventQuery", _error_name(error))
+        raise DriverError("cuEventQuery", self._error_name(error))
 
     def event_synchronize(self, event: Any) -> None:
-        _check(_cu.cuEventSynchronize(event), "cuEventSynchronize")
+        self._check(self._cu.cuEventSynchronize(event), "cuEventSynchronize")
 
     # -- pinned host memory ---------------------------------------------------------
     def host_alloc(self, size: int, device_index: int) -> tuple[int, int]:
         """``cuMemHostAlloc`` (mapped, portable) and ``cuMemHostGetDevicePointer``.
         Returns ``(host_ptr, device_ptr)`` as ints."""
         self.ensure_context(device_index)
-        flags = _cu.CU_MEMHOSTALLOC_DEVICEMAP | _cu.CU_MEMHOSTALLOC_PORTABLE
+        flags = self._cu.CU_MEMHOSTALLOC_DEVICEMAP | self._cu.CU_MEMHOSTALLOC_PORTABLE
         host_ptr = int(
-            _check(
-                _cu.cuMemHostAlloc(size, flags), "cuMemHostAlloc", size=size, device=device_index
+            self._check(
+                self._cu.cuMemHostAlloc(size, flags),
+                "cuMemHostAlloc",
+                size=size,
+                device=device_index,
             )
         )
         try:
-            device_ptr = _check(
-                _cu.cuMemHostGetDevicePointer(host_ptr, 0),
+            device_ptr = self._check(
+                self._cu.cuMemHostGetDevicePointer(host_ptr, 0),
                 "cuMemHostGetDevicePointer",
                 host_ptr=hex(host_ptr),
                 device=device_index,
             )
         except DriverError:
-            _cu.cuMemFreeHost(host_ptr)  # nothing half-done; the lookup error is reported
+            self._cu.cuMemFreeHost(host_ptr)  # nothing half-done; the lookup error is reported
             raise
         self._host_devices[host_ptr] = device_index
         return host_ptr, int(device_ptr)
@@ -524,31 +552,11 @@ class CudaVmmDriver(VmmDriver):
             if device_index is not None:
                 # cuMemFreeHost needs a context; the caller's thread may have none.
                 self.ensure_context(device_index)
-            _check(_cu.cuMemFreeHost(host_ptr), "cuMemFreeHost", host_ptr=hex(host_ptr))
+            self._check(self._cu.cuMemFreeHost(host_ptr), "cuMemFreeHost", host_ptr=hex(host_ptr))
         except BaseException:
             if device_index is not None:
                 self._host_devices[host_ptr] = device_index  # not freed: still ours
             raise
-
-
-def _release_framework_caches() -> bool:
-    """Ask frameworks that are already imported to return cached device memory.
-
-    Never imports one. Returns True when something was asked, i.e. a retry may help.
-    """
-    released = False
-    torch = loaded_module("torch")
-    # torch's caching allocator keeps freed blocks that cuMemCreate cannot reuse.
-    # empty_cache frees them on every device it initialized; is_initialized keeps a
-    # process where torch never touched CUDA from creating contexts here.
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-        released = True
-    # JAX: XLA's BFC allocator holds its pool (by default 75% of the device, taken at
-    # start-up) and has no public call that returns it to the driver. Users who mix
-    # jaxbuf and JAX set XLA_PYTHON_CLIENT_PREALLOCATE=false or a lower
-    # XLA_PYTHON_CLIENT_MEM_FRACTION instead; nothing to ask here.
-    return released
 
 
 def _probe_confidential_computing() -> str | None:
@@ -580,7 +588,5 @@ def _probe_confidential_computing() -> str | None:
         except Exception:  # noqa: BLE001 - as above: unknown, not fatal
             enabled = None
     if enabled:
-        return (
-            "Confidential computing is enabled: the GPU cannot read pinned host memory in place."
-        )
+        return "Confidential computing is enabled: the GPU cannot read pinned host memory in place."
     return None

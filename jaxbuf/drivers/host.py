@@ -4,15 +4,26 @@
 VMM call            host implementation
 ==================  ==========================================================
 ``reserve``         ``mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)``
-``create``          ``memfd_create`` + ``ftruncate`` (+ ``posix_fallocate``)
+``create``          ``memfd_create`` + ``ftruncate`` (+ ``posix_fallocate``), mode 0600, sealed
 ``map``             ``mmap(fd, MAP_SHARED|MAP_FIXED)`` at the address, then ``close(fd)``
 ``unmap``           ``mmap(PROT_NONE, ... MAP_FIXED)`` over the range (stays reserved)
 ``move_mapping``    ``mremap(MREMAP_FIXED|MREMAP_DONTUNMAP)``, then the source re-reserved
 ``export_handle``   ``open("/proc/self/map_files/<start>-<end>")`` of the chunk's mapping
 ``import_handle``   ``dup`` of the received memfd (mapped, then closed, like a created chunk)
+                    after checking its seals; a read-only descriptor is mapped ``PROT_READ``
 ``free_reserved``   ``mmap(PROT_NONE, ... MAP_FIXED)``, then quarantine (``munmap`` later)
 ``host_alloc``      anonymous private ``mmap`` (RW)
 ==================  ==========================================================
+
+**Sealed chunks.** Every chunk's memfd is created with ``MFD_ALLOW_SEALING`` and sealed
+``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``: whoever holds a descriptor of it (a peer it was
+exported to) cannot change its size, so no mapping of it, the owner's included, can ever fault
+with ``SIGBUS`` past a truncated end; :meth:`HostVmmDriver.import_handle` refuses a descriptor
+that is not sealed against shrinking, so a hostile owner cannot do that to an importer either.
+The memfd's mode is 0600 (memfds start as 0777): a process of another uid that was given a
+read-only descriptor (:meth:`HostVmmDriver.export_read_only_handle`) cannot reopen it
+read-write through ``/proc/<pid>/fd``. A process of the same uid (or root) can: for it
+read-only is a guard against mistakes, not a security boundary.
 
 **Quarantine.** ``free_reserved`` does not hand the range back to the kernel at once: it
 replaces it with a fresh ``PROT_NONE`` reservation (dropping any pages) and parks it in a bounded
@@ -32,10 +43,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
 import mmap
 import os
 import platform as _platform
+import stat
 import sys
 import threading
 from collections import deque
@@ -62,6 +75,9 @@ _MAP_FIXED_NOREPLACE = 0x100000
 _MREMAP_MAYMOVE = 1
 _MREMAP_FIXED = 2
 _MREMAP_DONTUNMAP = 4  # Linux 5.7; for shared (memfd) mappings since 5.13
+# Seals of every chunk: fixed size (no SIGBUS for any mapping), and no further seals (a peer
+# cannot add F_SEAL_FUTURE_WRITE and break the other importers' mappings).
+_CHUNK_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _MAP_FILES_HINT = (
     "reopening a mapped chunk through /proc/self/map_files needs CAP_SYS_ADMIN or "
     "CAP_CHECKPOINT_RESTORE (run as root, or grant the capability to the exporting process)"
@@ -108,6 +124,8 @@ class HostChunk:
     States: *created* (``fd`` open) -> *mapped* (``fd`` closed, ``fd == -1``; the mapping
     now owns the pages; ``ptr`` is its address, kept current by ``move_mapping``, so that
     ``export_handle`` can reopen the file through ``/proc/self/map_files``) -> *released*.
+    ``read_only``: imported from a read-only descriptor, so :meth:`HostVmmDriver.map` maps it
+    ``PROT_READ`` (a write faults) and it is never exported read-write.
     A chunk can be mapped **once**: closing the descriptor at map time keeps the process at
     zero open descriptors per mapped chunk, and the pages live exactly as long as the
     mapping (``unmap`` frees them; a descriptor exported to another process, or that
@@ -115,18 +133,20 @@ class HostChunk:
     may come before or after ``unmap``, as with ``cuMemRelease``.
     """
 
-    __slots__ = ("fd", "size", "mapped", "released", "ptr")
+    __slots__ = ("fd", "size", "mapped", "released", "ptr", "read_only")
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, read_only: bool = False) -> None:
         self.fd = fd
         self.size = size
         self.mapped = False
         self.released = False
         self.ptr = 0
+        self.read_only = read_only
 
     def __repr__(self) -> str:
         state = "released" if self.released else "mapped" if self.mapped else "created"
-        return f"HostChunk(fd={self.fd}, size={self.size}, {state})"
+        access = ", read-only" if self.read_only else ""
+        return f"HostChunk(fd={self.fd}, size={self.size}, {state}{access})"
 
 
 class HostVmmDriver(VmmDriver):
@@ -251,11 +271,13 @@ class HostVmmDriver(VmmDriver):
         _check_device("memfd_create", device_index)
         _check_args("memfd_create", size)
         try:
-            fd = os.memfd_create("jaxbuf-chunk", os.MFD_CLOEXEC)
+            fd = os.memfd_create("jaxbuf-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
             raise DriverError("memfd_create", _errno_name(exc.errno), size=size) from None
-        call = "ftruncate"
+        call = "fchmod"
         try:
+            os.fchmod(fd, 0o600)  # see "Sealed chunks" in the module docstring
+            call = "ftruncate"
             os.ftruncate(fd, size)
             # Commit the pages now, as cuMemCreate does: running out of memory is then a
             # DriverError here instead of a SIGBUS on first touch. Kernels whose memfd
@@ -266,6 +288,8 @@ class HostVmmDriver(VmmDriver):
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
                     raise
+            call = "fcntl(F_ADD_SEALS)"
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _CHUNK_SEALS)
         except OSError as exc:
             os.close(fd)
             raise DriverError(call, _errno_name(exc.errno), size=size) from None
@@ -292,7 +316,8 @@ class HostVmmDriver(VmmDriver):
             raise DriverError("mmap", "EBADF", ptr=hex(ptr), size=size, state=state)
         if size != handle.size:
             raise DriverError("mmap", "EINVAL", ptr=hex(ptr), size=size, chunk_size=handle.size)
-        _mmap(ptr, size, _PROT_READ_WRITE, mmap.MAP_SHARED | _MAP_FIXED, handle.fd, ptr=hex(ptr))
+        prot = mmap.PROT_READ if handle.read_only else _PROT_READ_WRITE
+        _mmap(ptr, size, prot, mmap.MAP_SHARED | _MAP_FIXED, handle.fd, ptr=hex(ptr))
         # The mapping holds its own reference to the memfd; dropping the descriptor keeps
         # open descriptors independent of the number of mapped chunks.
         fd, handle.fd = handle.fd, -1
@@ -356,23 +381,43 @@ class HostVmmDriver(VmmDriver):
         handle.ptr = dst_ptr
 
     def export_handle(self, handle: HostChunk) -> int:
-        """A new descriptor (close-on-exec) for the chunk's memfd: a ``dup`` while the chunk
-        is unmapped, else the mapping's file reopened through ``/proc/self/map_files`` (the
-        driver keeps no descriptor per mapped chunk), which needs CAP_SYS_ADMIN or
-        CAP_CHECKPOINT_RESTORE: ``DriverError(EPERM)`` says so otherwise."""
+        """A new read-write descriptor (close-on-exec) for the chunk's memfd: a ``dup`` while
+        the chunk is unmapped, else the mapping's file reopened through
+        ``/proc/self/map_files`` (the driver keeps no descriptor per mapped chunk), which needs
+        CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE: ``DriverError(EPERM)`` says so otherwise.
+        A chunk imported read-only is refused (``EACCES``): it is never upgraded."""
+        if handle.read_only:
+            raise DriverError(
+                "export_handle", "EACCES", size=handle.size, state="imported read-only"
+            )
+        return self._export(handle, read_only=False)
+
+    def export_read_only_handle(self, handle: HostChunk) -> int:
+        """A new ``O_RDONLY`` descriptor for the chunk's memfd (reopened through
+        ``/proc/self/fd`` or ``/proc/self/map_files``): an importer can map it ``PROT_READ``
+        only; ``mprotect`` cannot add write access and ``write``/``fallocate`` on it fail.
+        See "Sealed chunks" in the module docstring for what a same-uid process can still do.
+        """
+        return self._export(handle, read_only=True)
+
+    def _export(self, handle: HostChunk, read_only: bool) -> int:
         if handle.released:
             raise DriverError("export_handle", "EBADF", size=handle.size, state="released")
         if handle.fd >= 0:
-            try:
-                return os.dup(handle.fd)
-            except OSError as exc:
-                raise DriverError("dup", _errno_name(exc.errno), fd=handle.fd) from None
-        path = f"/proc/self/map_files/{handle.ptr:x}-{handle.ptr + handle.size:x}"
+            if not read_only:
+                try:
+                    return os.dup(handle.fd)
+                except OSError as exc:
+                    raise DriverError("dup", _errno_name(exc.errno), fd=handle.fd) from None
+            path = f"/proc/self/fd/{handle.fd}"  # a dup would share the read-write file
+        else:
+            path = f"/proc/self/map_files/{handle.ptr:x}-{handle.ptr + handle.size:x}"
+        access = os.O_RDONLY if read_only else os.O_RDWR
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, access | os.O_CLOEXEC)
         except OSError as exc:
             details: dict[str, object] = {"path": path, "size": handle.size}
-            if exc.errno in (errno.EPERM, errno.EACCES):
+            if exc.errno in (errno.EPERM, errno.EACCES) and handle.fd < 0:
                 details["hint"] = _MAP_FILES_HINT
             raise DriverError("open", _errno_name(exc.errno), **details) from None
         try:
@@ -387,18 +432,40 @@ class HostVmmDriver(VmmDriver):
 
     def import_handle(self, fd: int, size: int, device_index: int) -> HostChunk:
         """A created-state :class:`HostChunk` over a ``dup`` of ``fd`` (the caller keeps
-        ``fd``); :meth:`map` closes the duplicate, as for a chunk from :meth:`create`."""
+        ``fd``); :meth:`map` closes the duplicate, as for a chunk from :meth:`create`.
+
+        ``fd`` must be a regular file of exactly ``size`` bytes sealed with
+        ``F_SEAL_SHRINK`` (a jaxbuf chunk's memfd): were it not sealed, its sender could
+        truncate it and every access to our mapping would die with ``SIGBUS``. Refused
+        otherwise with ``DriverError(EINVAL)`` naming the reason. A descriptor opened
+        read-only gives a read-only chunk (mapped ``PROT_READ``); write-only is refused."""
         _check_device("import_handle", device_index)
         _check_args("import_handle", size)
         try:
-            file_size = os.fstat(fd).st_size
-        except (OSError, TypeError, ValueError) as exc:
-            raise DriverError("fstat", _errno_name(getattr(exc, "errno", None) or errno.EBADF),
-                              fd=fd) from None  # fmt: skip
-        if file_size != size:
-            raise DriverError("import_handle", "EINVAL", fd=fd, size=size, file_size=file_size)
+            access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                seals = 0  # not a file that can be sealed
+            # Sealed first, measured second: the size can no longer shrink below this.
+            info = os.fstat(fd)
+        except (OSError, TypeError, ValueError, OverflowError) as exc:
+            name = _errno_name(getattr(exc, "errno", None) or errno.EBADF)
+            raise DriverError("fstat", name, fd=fd) from None
+        if not stat.S_ISREG(info.st_mode) or access == os.O_WRONLY:
+            reason = "not a readable memfd"
+            raise DriverError("import_handle", "EINVAL", fd=fd, size=size, reason=reason)
+        if not seals & fcntl.F_SEAL_SHRINK:
+            reason = "not sealed with F_SEAL_SHRINK: its sender could truncate it (SIGBUS)"
+            raise DriverError(
+                "import_handle", "EINVAL", fd=fd, size=size, seals=hex(seals), reason=reason
+            )
+        if info.st_size != size:
+            raise DriverError("import_handle", "EINVAL", fd=fd, size=size, file_size=info.st_size)
         try:
-            return HostChunk(os.dup(fd), size)
+            return HostChunk(os.dup(fd), size, read_only=access == os.O_RDONLY)
         except OSError as exc:
             raise DriverError("dup", _errno_name(exc.errno), fd=fd) from None
 

@@ -1,0 +1,103 @@
+"""The ``jaxbuf`` command line (``python -m jaxbuf``, also installed as ``jaxbuf``).
+
+Subcommands:
+
+* ``info``: platform, which drivers work here (and why not), library versions, granule sizes;
+* ``bench``: the benchmark suites of :mod:`jaxbuf.bench`, a table per suite whose title
+  states the sizes run, a JSON result file and, with ``--plot``, a PNG of growth cost
+  against committed size. A suite whose optional dependency (torch, JAX, Triton) is missing
+  is skipped with its reason; a row whose baseline was skipped is not judged against its
+  target;
+* ``demo``: a terminal walkthrough: grow a buffer four times, seeing the same bytes from torch
+  and JAX; then the worked example of notebook 4 (:mod:`jaxbuf.demo`), a toy decode loop over a
+  growing paged KV cache, with a progress bar and a summary table.
+
+``--device`` defaults to CUDA when it works here, else the CPU. A bad device or a missing
+framework prints one line, ``jaxbuf: error: ...``, on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from . import _bench, _demo, _info
+from ._demo import decode_steps
+from ._shared import CliError
+
+__all__ = ["EXIT_USAGE", "CliError", "main"]
+
+EXIT_USAGE = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxbuf", description="Device memory shared zero-copy by JAX and torch."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="{info,bench,demo}")
+    device_help = "cpu, cuda or cuda:N (default: CUDA when it works here, else the CPU)"
+
+    info = commands.add_parser("info", help="platform, drivers, versions, granule sizes")
+    info.set_defaults(handler=_info.run)
+
+    bench = commands.add_parser("bench", help="run the benchmark suites")
+    bench.add_argument("--device", help=device_help)
+    bench.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    bench.add_argument(
+        "--json", metavar="PATH", help="result file (default: results/bench-<device>.json)"
+    )
+    bench.add_argument(
+        "--plot",
+        metavar="PATH",
+        nargs="?",
+        const=_bench.PLOT_DEFAULT,
+        help="also write a PNG of growth cost against committed size "
+        "(default path: results/growth-<device>.png)",
+    )
+    bench.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help="suite names or dotted prefixes (e.g. extensible.views, uva)",
+    )
+    bench.set_defaults(handler=_bench.run)
+
+    demo = commands.add_parser("demo", help="grow a buffer, then run a toy decode loop")
+    demo.add_argument("--device", help=device_help)
+    demo.add_argument(
+        "--steps",
+        type=decode_steps,
+        default=20,
+        metavar="N",
+        help="decode steps (1-20, default 20)",
+    )
+    demo.add_argument(
+        "--framework",
+        action="append",
+        choices=["torch", "jax"],
+        help="framework(s) to show (repeatable; default: torch and jax)",
+    )
+    demo.set_defaults(handler=_demo.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    # JAX would otherwise take most of the GPU at its first use, starving VMM allocations.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    parser = _parser()
+    args = parser.parse_args(argv)
+    args.argv = None if argv is None else list(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.handler(args)
+    except CliError as error:
+        print(f"jaxbuf: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("jaxbuf: interrupted", file=sys.stderr)
+        return 130

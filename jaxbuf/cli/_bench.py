@@ -1,0 +1,251 @@
+"""``jaxbuf bench``: run the suites of :mod:`jaxbuf.bench`, print a table per suite (its
+title states the sizes run), write the JSON result and, with ``--plot``, the growth plot.
+
+A suite whose optional dependency is missing is skipped with its reason (never a traceback
+or ``FAILED``); a row whose baseline was skipped is shown "not judged" instead of
+``MISSED`` (:attr:`jaxbuf.bench.Row.verdict`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from ._shared import (
+    CliError,
+    Printer,
+    Progress,
+    machine,
+    one_line,
+    require,
+    resolve_device,
+    versions,
+)
+
+#: ``--plot`` given without a path: write ``results/growth-<device>.png``.
+PLOT_DEFAULT = object()
+
+
+def _device_file_name(device: Any) -> str:
+    """``cpu``, ``cuda``, ``cuda1``: the device part of the default result file names."""
+    return device.platform if device.index == 0 else f"{device.platform}{device.index}"
+
+
+def _default_json_path(device: Any) -> Path:
+    return Path("results") / f"bench-{_device_file_name(device)}.json"
+
+
+def _default_plot_path(device: Any) -> Path:
+    return Path("results") / f"growth-{_device_file_name(device)}.png"
+
+
+def _row_cells(row: Any) -> list[str]:
+    from jaxbuf.bench import format_seconds
+
+    ratio = row.ratio
+    notes = [row.notes] if row.notes else []
+    if row.device_median_s is not None:
+        notes.append(f"device {format_seconds(row.device_median_s)}")
+    if row.baseline_device_median_s is not None:
+        notes.append(f"baseline device {format_seconds(row.baseline_device_median_s)}")
+    return [
+        row.name,
+        format_seconds(row.median_s),
+        row.baseline_name or "—",
+        format_seconds(row.baseline_median_s),
+        "—" if ratio is None else f"{ratio:,.3g}x",
+        row.verdict,
+        "; ".join(notes),
+    ]
+
+
+def _plot_growth(results: list[dict[str, Any]], path: Path, device: Any) -> bool:
+    """PNG of growth cost against committed size, beside the raw driver calls (the floor),
+    the seed-style buffer and realloc+copy. False: no data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxbuf.bench import format_bytes
+
+    # series[step][label] = {committed_bytes: seconds}
+    series: dict[int, dict[str, dict[int, float]]] = {}
+    labels = {
+        "floor": "raw driver calls (floor)",
+        "seed": "seed-style (granule set)",
+        "torch": "torch realloc+copy",
+        "jax": "JAX realloc+copy",
+    }
+    for result in results:
+        for row in result["rows"]:
+            params = row["params"]
+            if "committed_bytes" not in params or "step_bytes" not in params:
+                continue
+            if row["median_s"] is None:
+                continue  # skipped (out of memory): the table says why
+            by_label = series.setdefault(params["step_bytes"], {})
+            committed = params["committed_bytes"]
+            # Variants (with a peer device, in a large reservation) are series of their own.
+            variant = ", 1 peer" if params.get("peers") else ""
+            if params.get("reserved_bytes"):
+                variant += f", {format_bytes(params['reserved_bytes'])} reserved"
+            jaxbuf = by_label.setdefault("jaxbuf ExtensibleTensor" + variant, {})
+            jaxbuf[committed] = row["median_s"]
+            if row["baseline_median_s"] is not None:
+                label = labels.get(params.get("baseline_kind"), row["baseline_name"])
+                by_label.setdefault(label + variant, {})[committed] = row["baseline_median_s"]
+    if not series:
+        return False
+    figure, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4.5), squeeze=False)
+    for axis, (step, by_label) in zip(axes[0], sorted(series.items())):
+        for label, points in by_label.items():
+            xs = sorted(points)
+            axis.plot([x / 2**30 for x in xs], [points[x] for x in xs], marker="o", label=label)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("already committed (GiB)")
+        axis.set_ylabel("time per grow (s)")
+        axis.set_title(f"grow by {format_bytes(step)} on {device}")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+def _run_suite(suite: Any, device: Any, quick: bool, progress: Progress) -> dict[str, Any]:
+    """Run one suite: its rows, the sizes it states, and why it was skipped or failed."""
+    from jaxbuf.bench import SuiteSkipped
+
+    result: dict[str, Any] = {"suite": suite, "rows": [], "sizes": None, "error": None}
+    begin = time.perf_counter()
+
+    def stated(sizes: str) -> None:
+        result["sizes"] = sizes
+
+    # A missing optional framework is a skip with its reason, never a traceback: checked
+    # before the suite starts (``requires``) or raised by it (``require``, SuiteSkipped).
+    result["skipped"] = suite.missing_requirement()
+    if result["skipped"] is None:
+        try:
+            for row in suite.run(device, quick, sizes=stated):
+                result["rows"].append(row)
+                progress.describe(f"{suite.name}: {row.name}")
+        except SuiteSkipped as skip:
+            result["skipped"] = one_line(skip)
+        except Exception as exc:  # noqa: BLE001 - reported below, other suites still run
+            result["error"] = f"{type(exc).__name__}: {one_line(exc)}"
+            traceback.print_exc(file=sys.stderr)
+    result["seconds"] = time.perf_counter() - begin
+    return result
+
+
+def _suite_title(result: dict[str, Any]) -> str:
+    suite = result["suite"]
+    title = f"{suite.name}: {suite.description}"
+    if result["sizes"]:
+        title += f" Sizes: {result['sizes']}."
+    return f"{title} ({result['seconds']:.1f} s)"
+
+
+def run(args: argparse.Namespace) -> int:
+    # Baselines reallocate to sizes never allocated before: JAX must not serve them from
+    # its pool (nor keep tens of GiB pooled for the suites after them), as torch's cache
+    # is emptied between samples. Set before JAX starts; a user's setting wins.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+    device = resolve_device(args.device)
+    plot_path = None
+    if args.plot is not None:
+        require("matplotlib", "--plot")
+        plot_path = _default_plot_path(device) if args.plot is PLOT_DEFAULT else Path(args.plot)
+    from jaxbuf import bench
+
+    try:
+        suites = bench.select_suites(args.only)
+    except ValueError as error:
+        raise CliError(one_line(error)) from None
+    out = Printer()
+    for module, message in bench.load_errors.items():
+        print(
+            f"jaxbuf: warning: benchmark module {module} failed to import: {one_line(message)}",
+            file=sys.stderr,
+        )
+    quick = " (quick)" if args.quick else ""
+    out.line(f"jaxbuf bench on {device}{quick}: {len(suites)} suite(s)")
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    results: list[dict[str, Any]] = []
+    progress = Progress(len(suites), "benchmarks")
+    try:
+        for suite in suites:
+            progress.describe(suite.name)
+            results.append(_run_suite(suite, device, args.quick, progress))
+            progress.advance()
+    finally:
+        progress.close()
+
+    columns = ["name", "median", "baseline", "baseline median", "speedup", "target", "notes"]
+    for result in results:
+        name = result["suite"].name
+        if result["skipped"] is not None and not result["rows"]:
+            out.line(f"{name}: skipped: {result['skipped']}")
+            out.line()
+            continue
+        rows = [_row_cells(row) for row in result["rows"]]
+        out.table(_suite_title(result), columns, rows, right=(1, 3, 4))
+        if result["skipped"] is not None:
+            out.line(f"  {name} stopped early, skipped: {result['skipped']}")
+        if result["error"]:
+            out.line(f"  {name} FAILED: {result['error']}")
+
+    serial = [
+        {
+            "name": r["suite"].name,
+            "description": r["suite"].description,
+            "sizes": r["sizes"],
+            "seconds": r["seconds"],
+            "skipped": r["skipped"],
+            "error": r["error"],
+            "rows": [row.to_json() for row in r["rows"]],
+        }
+        for r in results
+    ]
+    document = {
+        "date": started.isoformat(timespec="seconds"),
+        "command": ["jaxbuf", *sys.argv[1:]] if args.argv is None else ["jaxbuf", *args.argv],
+        "device": str(device),
+        "quick": args.quick,
+        "machine": machine(),
+        "versions": versions(),
+        "environment": {k: v for k, v in os.environ.items() if k.startswith("XLA_PYTHON_")},
+        "speedup": "baseline_median_s / median_s",
+        "suites": serial,
+        "load_errors": dict(bench.load_errors),
+    }
+    json_path = Path(args.json) if args.json else _default_json_path(device)
+    import json
+
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    skipped = [r["suite"].name for r in results if r["skipped"] is not None]
+    if skipped:
+        out.line(f"skipped (a dependency is missing): {', '.join(skipped)}")
+    out.line(f"results: {json_path}")
+    if plot_path is not None:
+        if _plot_growth(serial, plot_path, device):
+            out.line(f"plot: {plot_path}")
+        else:
+            print(
+                "jaxbuf: warning: no growth rows to plot (run the extensible.growth suite)",
+                file=sys.stderr,
+            )
+    return 1 if any(r["error"] for r in results) else 0

@@ -1,0 +1,51 @@
+"""``jaxbuf info``: platform, which drivers work here (and why not), versions, granules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._shared import CliError, Printer, machine, one_line, resolve_device, versions
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxbuf.drivers import HostVmmDriver, cuda_unavailable_reason, get_vmm_driver
+    from jaxbuf.extensible import granule_size
+
+    out = Printer()
+    described = machine()
+    out.table(
+        "jaxbuf info",
+        ["", ""],
+        [
+            ["platform", described["platform"]],
+            ["python", f"{described['python']} ({sys.executable})"],
+            ["machine", f"{described['node']}: {described['cpu']}, {described['cpu_count']} CPUs"],
+            ["GPUs", ", ".join(described["gpus"]) or "none"],
+        ],
+    )
+
+    driver_rows = []
+    granule_rows = []
+    reasons = {"cpu": HostVmmDriver().unavailable_reason(), "cuda": cuda_unavailable_reason()}
+    for name, reason in reasons.items():
+        if reason is not None:
+            driver_rows.append([name, "unavailable", one_line(reason)])
+            continue
+        driver = get_vmm_driver(name)
+        count = driver.device_count()
+        driver_rows.append([name, "works", f"{count} device(s)"])
+        for index in range(count):
+            device = name if name == "cpu" else f"cuda:{index}"
+            commit_kib = granule_size(device) // 1024
+            driver_kib = driver.granularity(index) // 1024
+            granule_rows.append([device, f"{commit_kib:,} KiB", f"{driver_kib:,} KiB"])
+    out.table("drivers", ["driver", "status", "details"], driver_rows)
+    out.table("granules", ["device", "commit granule", "driver granularity"], granule_rows)
+    out.table("versions", ["package", "version"], [[k, v] for k, v in versions().items()])
+    try:
+        default = resolve_device(None)
+    except CliError as error:
+        default = f"none ({error})"
+    out.line(f"default device: {default}")
+    return 0
