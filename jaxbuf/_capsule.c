@@ -11,10 +11,24 @@
  * strong reference to an ExportAnchor, which holds the allocation (its `target`) and counts the
  * capsules alive over it. The deleter frees the malloc block, then takes the GIL (it may run on
  * a thread Python never saw) and drops the reference; dropping the last one drops the target,
- * whose own release then runs. While the interpreter is finalizing the deleter only frees the
- * block and leaks the reference: running Python code, or even taking the GIL, is unsafe then,
- * and the process returns the memory anyway. A view over foreign memory exports with no anchor
- * (manager_ctx NULL): the deleter then only frees the block.
+ * whose own release then runs. A view over foreign memory exports with no anchor (manager_ctx
+ * NULL): the deleter then only frees the block.
+ *
+ * Shutdown. Once the interpreter is finalizing, a thread that takes the GIL is ended with
+ * pthread_exit (3.14: parked forever); JAX calls deleters from C++ worker threads inside
+ * noexcept destructors, where that unwind is std::terminate ("terminate called without an
+ * active exception"). Checking Py_IsFinalizing() first is not enough: a deleter can pass the
+ * check, then wait for the GIL while the main thread starts finalizing (and JAX still drops
+ * buffers from its threads after atexit, while the main thread tears modules down and
+ * releases the GIL). numpy's deleter (Py_IsInitialized, then PyGILState_Ensure) has the same
+ * race. So: an atexit handler registered at import (before finalization starts: atexit runs
+ * first in Py_FinalizeEx) sets `exiting`; from then on every deleter only frees its block and
+ * leaks its anchor reference (the process returns the memory). A deleter counts itself in
+ * `deleters_in_python` before it reads `exiting`, and the handler, after setting it, waits
+ * with the GIL released until that count is zero: a deleter that saw `exiting` clear finishes
+ * while taking the GIL is still safe (the pair of sequentially consistent atomics makes at
+ * least one side see the other). Leaked references leave their allocations unreleased at
+ * exit, which is what the finalizers do anyway (jaxbuf/_lifetime.py).
  *
  * Whose anchor: anchor_for(owner) asks the owner (jaxbuf/_owner.py: check_exportable(), then
  * export_anchor); an owner that names no ExportAnchor gets the one anchor_of() shares among the
@@ -25,9 +39,14 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#ifdef __unix__
+#include <pthread.h>
+#endif
 
 #if PY_VERSION_HEX >= 0x030D0000
 #define JAXBUF_IS_FINALIZING() Py_IsFinalizing()
@@ -261,15 +280,56 @@ static PyObject *anchor_for(PyObject *module, PyObject *owner) {
 
 /* ---- the deleters ------------------------------------------------------------------------ */
 
-/* Drop one export's reference to its anchor: with the GIL, and never while finalizing. */
+/* Shutdown state (see the header). Sequentially consistent: each deleter increments
+ * deleters_in_python and then reads exiting; at_exit stores exiting and then reads the count. */
+static atomic_int exiting = 0;
+static atomic_long deleters_in_python = 0;
+
+/* How long at_exit waits for deleters already past their check (a CUDA release synchronizes
+ * the device, so one may take a while); after that the process exits regardless. */
+#define AT_EXIT_WAIT_NS (10LL * 1000 * 1000 * 1000)
+#define AT_EXIT_POLL_NS (100LL * 1000)
+
+/* Drop one export's reference to its anchor: with the GIL, and never once exiting. */
 static void release_anchor(PyObject *anchor) {
-    if (!Py_IsInitialized() || JAXBUF_IS_FINALIZING()) return; /* leak: see the header */
+    atomic_fetch_add(&deleters_in_python, 1);
+    if (atomic_load(&exiting) || !Py_IsInitialized() || JAXBUF_IS_FINALIZING()) {
+        atomic_fetch_sub(&deleters_in_python, 1);
+        return; /* leak the reference: see the header */
+    }
     PyGILState_STATE state = PyGILState_Ensure();
     SAVE_ERROR();
     ((ExportAnchor *)anchor)->live_exports -= 1;
     Py_DECREF(anchor);
     RESTORE_ERROR();
     PyGILState_Release(state);
+    atomic_fetch_sub(&deleters_in_python, 1);
+}
+
+/* at_exit() -> None: registered with atexit at import (see the header). After it, deleters
+ * leak their anchor references instead of taking the GIL; it returns once no deleter is still
+ * between its check and its GIL release (or after AT_EXIT_WAIT_NS). */
+static PyObject *at_exit(PyObject *module, PyObject *unused) {
+    atomic_store(&exiting, 1);
+    if (atomic_load(&deleters_in_python) == 0) Py_RETURN_NONE;
+    Py_BEGIN_ALLOW_THREADS /* the deleters in flight need the GIL to finish */
+    struct timespec poll = {0, AT_EXIT_POLL_NS};
+    for (long long waited = 0; atomic_load(&deleters_in_python) > 0 && waited < AT_EXIT_WAIT_NS;
+         waited += AT_EXIT_POLL_NS) {
+        nanosleep(&poll, NULL);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+#ifdef __unix__
+/* A forked child has only the forking thread: deleters in flight on other threads of the parent
+ * do not exist there, and at_exit must not wait for them. */
+static void forget_deleters_in_flight(void) { atomic_store(&deleters_in_python, 0); }
+#endif
+
+static PyObject *is_exiting(PyObject *module, PyObject *unused) {
+    return PyBool_FromLong(atomic_load(&exiting));
 }
 
 /* DLManagedTensor.deleter: free the block (struct + shape + strides), then drop the anchor. */
@@ -380,6 +440,11 @@ static PyMethodDef capsule_methods[] = {
      "anchor_of(target) -> ExportAnchor: the anchor alive for target, or a new shared one"},
     {"new_capsule", (PyCFunction)(void (*)(void))new_capsule, METH_FASTCALL,
      "new_capsule(payload, tensor_offset, shape_offset, versioned, anchor=None) -> capsule"},
+    {"at_exit", (PyCFunction)at_exit, METH_NOARGS,
+     "at_exit() -> None: from now on deleters leak their anchor instead of taking the GIL\n"
+     "(registered with atexit at import; the process is exiting)"},
+    {"is_exiting", (PyCFunction)is_exiting, METH_NOARGS,
+     "is_exiting() -> bool: whether at_exit has run"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -397,6 +462,30 @@ static int add_address(PyObject *module, const char *name, const void *address) 
         Py_DECREF(value);
         return -1;
     }
+    return 0;
+}
+
+/* atexit.register(module.at_exit), once per process (the exiting flag is process-wide), and
+ * the fork handler above. */
+static int register_at_exit(PyObject *module) {
+    static int registered = 0;
+    if (registered) return 0;
+    PyObject *atexit_module = PyImport_ImportModule("atexit");
+    if (atexit_module == NULL) return -1;
+    PyObject *handler = PyObject_GetAttrString(module, "at_exit");
+    PyObject *result =
+        handler == NULL ? NULL : PyObject_CallMethod(atexit_module, "register", "O", handler);
+    Py_DECREF(atexit_module);
+    Py_XDECREF(handler);
+    if (result == NULL) return -1;
+    Py_DECREF(result);
+#ifdef __unix__
+    if (pthread_atfork(NULL, NULL, forget_deleters_in_flight) != 0) {
+        PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+        return -1;
+    }
+#endif
+    registered = 1;
     return 0;
 }
 
@@ -421,6 +510,10 @@ PyMODINIT_FUNC PyInit__capsule(void) {
             0 ||
         add_address(module, "LEGACY_DELETER_ADDRESS", (const void *)legacy_deleter) < 0 ||
         add_address(module, "VERSIONED_DELETER_ADDRESS", (const void *)versioned_deleter) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    if (register_at_exit(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

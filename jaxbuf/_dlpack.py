@@ -4,9 +4,12 @@ Layouts follow ``dlpack.h`` (v1.x). A capsule's payload is one ``malloc`` block 
 managed tensor followed by its ``shape`` and ``strides`` arrays. Its ``manager_ctx`` holds an
 :class:`ExportAnchor` (a C object: a strong reference to the allocation plus a count of live
 exports) or NULL for a view over foreign memory; its deleter, in C (``_capsule.c``), frees the
-block, then takes the GIL and drops the anchor, and only frees the block while the interpreter
-is finalizing. The memory the tensor points at is never freed by a deleter directly: it belongs
-to the allocation, released when the anchor drops it.
+block, then takes the GIL and drops the anchor. Once the process exits (an ``atexit`` handler
+that ``_capsule`` registers at import, which runs before finalization starts) a deleter only
+frees the block and leaks the anchor: JAX calls deleters from its own threads, and one that
+took the GIL during finalization would be ended there and abort the process. The memory the
+tensor points at is never freed by a deleter directly: it belongs to the allocation, released
+when the anchor drops it.
 
 An unconsumed capsule is freed by the C destructor in ``_capsule.c``, which also holds the
 capsule names as static strings (a name must outlive capsules alive at interpreter exit).

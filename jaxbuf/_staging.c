@@ -1,20 +1,38 @@
-/* The hot paths of StagedWriteTensor.stage_write and FusedStagedWriter.apply, in C.
+/* The hot paths of staged writes, in C: staging, later-wins resolution, packing.
  *
- * A Stager holds a tensor's two staging buffers (bytearrays: packed write records and the
+ * A Stager holds one target's two staging buffers (bytearrays: packed write records and the
  * values' raw bytes) and its bounds. Stager.stage(row, start, values) stages the write and
  * returns True when everything is plain: row and start exact ints, values a C-contiguous 1-D
  * buffer whose format is the target's, the write in bounds. Otherwise it stages nothing and
- * returns False, and the Python path (jaxbuf/staged.py) converts, validates and raises the
- * precise error. So this file decides nothing the Python path does not also decide; it only
- * saves the interpreter's time on the common case (a numpy array of the right dtype), which
- * vLLM-style loops call hundreds of times per step.
+ * returns False, and the Python path (StagedWriteTensor.stage_write in jaxbuf/staged.py, with
+ * jaxbuf/_staging_host.py) converts, validates and raises the precise error. So this file
+ * decides nothing the Python path does not also decide; it only saves the interpreter's time on
+ * the common case (a numpy array of the right dtype), which vLLM-style loops call hundreds of
+ * times per step. Stager.stage_columns(rows, starts, lengths, contents) stages a whole batch
+ * (int64 columns and the values' bytes, already of the target dtype) in one call, all or
+ * nothing: the JAX staging object (jaxbuf/kernels/jax_staged.py) uses it.
+ *
+ * Later wins, without sorting. Writes of one batch may overlap; where they do, the later one
+ * must win, and the kernel must not depend on the order its programs run in. So the stager
+ * keeps, as writes are staged (O(1) amortised each), an open-addressing hash from target row to
+ * the last write to that row, a per-write link to the previous write to the same row, and the
+ * list of rows written more than once. resolve() walks only those rows' chains, newest write to
+ * oldest, keeping the element intervals already covered: an older write hidden entirely is
+ * dropped, one hidden in part is split into its visible pieces (each an ordinary write-table
+ * entry: same row, its own start and length, its content offset moved by as much). The writes
+ * it emits never overlap, so the kernel always runs in parallel, one program per write, and the
+ * result is the in-order result. A batch whose rows never repeat costs nothing here; rows that
+ * repeat without overlapping cost the chain walk. Records appended by the Python paths are
+ * indexed on the next stage() or resolve() (they are caught up in order). Clearing the buffers
+ * goes through reset() or clear(), O(1): the hash's slots carry a generation stamp.
  *
  * pack(stagers, group_table, address, capacity) lays an apply out in a pinned staging slot:
- * the group table, the write table (each tensor's records with its group id and the byte
- * offset of its values filled in) and every tensor's values, each tensor's at an offset aligned
- * to its element size. It also says whether some row is written twice (the caller then runs the
- * exact overlap test). It replaces some twenty numpy calls per apply; staged.py keeps a numpy
- * implementation of the same layout for builds without this extension.
+ * the group table, the resolved write table (each write or piece with its group id and the byte
+ * offset of its values filled in) and every target's values, each target's at an offset aligned
+ * to its element size. It replaces some twenty numpy calls per apply; jaxbuf/_packing.py keeps a
+ * numpy implementation of the same layout for builds without this extension.
+ * Stager.write_columns(...) emits the same resolved writes as the int32 columns of the JAX
+ * PackedWrites, their visible values packed back to back.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,6 +40,27 @@
 #include <string.h>
 
 #define RECORD_FIELDS 5 /* group, row, start, content_offset, length: the kernel's write table */
+#define RECORD_BYTES (RECORD_FIELDS * 8)
+#define FATE_KEEP (-1) /* the write is emitted as staged */
+#define FATE_DROP (-2) /* later writes cover it entirely */
+/* Any other fate is the index of the write's first visible piece in Stager.pieces. */
+
+typedef struct {
+    long long row;
+    Py_ssize_t last;  /* the last write to this row */
+    Py_ssize_t count; /* writes to this row in the batch */
+    unsigned int stamp; /* == Stager.generation: the slot is in use */
+} RowSlot;
+
+typedef struct {
+    Py_ssize_t write; /* the write this is a visible piece of */
+    long long start;
+    long long length;
+} Piece;
+
+typedef struct {
+    long long start, end;
+} Interval;
 
 typedef struct {
     PyObject_HEAD
@@ -31,10 +70,28 @@ typedef struct {
     long long row_len;
     char format[16]; /* the buffer format of the target dtype, e.g. "i"; never matched if "" */
     Py_ssize_t itemsize;
-    unsigned int *row_stamps; /* pack's repeated-row test: stamp == generation means seen */
+    /* Later-wins bookkeeping (see the comment at the top). */
+    Py_ssize_t tracked;   /* records [0, tracked) are indexed */
+    Py_ssize_t *links;    /* per write: the previous write to its row, or -1 */
+    Py_ssize_t *fates;    /* per write: FATE_KEEP, FATE_DROP or its first piece */
+    Py_ssize_t link_capacity, fate_capacity;
+    RowSlot *slots;       /* capacity a power of two, at most half used */
+    Py_ssize_t slot_capacity, slot_used;
     unsigned int generation;
+    long long *repeated;  /* rows written more than once */
+    Py_ssize_t num_repeated, repeated_capacity;
+    Piece *pieces;        /* visible pieces of split writes, each write's in start order */
+    Py_ssize_t num_pieces, piece_capacity;
+    Interval *covered;    /* the chain walk's covered intervals, sorted, disjoint */
+    Py_ssize_t covered_capacity;
+    Py_ssize_t resolved_for; /* records resolve() last ran over; -1: none since the reset */
+    Py_ssize_t resolved;     /* writes resolve() emits */
+    long long hidden;        /* elements of staged writes that later writes hide */
 } Stager;
 
+static PyTypeObject *stager_type;
+
+/* -- small helpers --------------------------------------------------------------------------- */
 static int append(PyObject *bytearray, const void *data, Py_ssize_t size) {
     Py_ssize_t old = PyByteArray_GET_SIZE(bytearray);
     /* PyByteArray_Resize over-allocates when growing: appends are amortised O(1). */
@@ -54,6 +111,210 @@ static int exact_index(PyObject *obj, long long *value) {
     return 1;
 }
 
+/* Grow *array (elements of elem_size) to hold at least needed, doubling; -1 with MemoryError. */
+static int reserve(void **array, Py_ssize_t *capacity, Py_ssize_t needed, size_t elem_size) {
+    if (needed <= *capacity) return 0;
+    Py_ssize_t size = *capacity > 16 ? *capacity : 16;
+    while (size < needed) size *= 2;
+    void *grown = PyMem_Realloc(*array, (size_t)size * elem_size);
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *array = grown;
+    *capacity = size;
+    return 0;
+}
+
+static inline size_t row_hash(long long row) {
+    /* Fibonacci hashing: consecutive rows spread over the table. */
+    uint64_t h = (uint64_t)row * 0x9E3779B97F4A7C15ull;
+    return (size_t)(h ^ (h >> 29));
+}
+
+static inline const long long *record_at(Stager *s, Py_ssize_t w) {
+    return (const long long *)PyByteArray_AS_STRING(s->records) + w * RECORD_FIELDS;
+}
+
+static inline Py_ssize_t num_records(Stager *s) {
+    return PyByteArray_GET_SIZE(s->records) / RECORD_BYTES;
+}
+
+/* -- the row index --------------------------------------------------------------------------- */
+/* Forget every indexed write: O(1), the slots' stamps go stale. */
+static void reset_tracking(Stager *s) {
+    s->tracked = 0;
+    s->slot_used = 0;
+    s->num_repeated = 0;
+    s->num_pieces = 0;
+    s->resolved_for = -1;
+    if (++s->generation == 0) { /* wrapped: forget every stamp */
+        if (s->slots != NULL) memset(s->slots, 0, (size_t)s->slot_capacity * sizeof(RowSlot));
+        s->generation = 1;
+    }
+}
+
+static RowSlot *find_slot(Stager *s, long long row) {
+    size_t mask = (size_t)s->slot_capacity - 1;
+    size_t i = row_hash(row) & mask;
+    for (;;) {
+        RowSlot *slot = &s->slots[i];
+        if (slot->stamp != s->generation || slot->row == row) return slot;
+        i = (i + 1) & mask;
+    }
+}
+
+/* Double the hash table (at least 64 slots), keeping the live slots. */
+static int grow_slots(Stager *s) {
+    Py_ssize_t capacity = s->slot_capacity ? s->slot_capacity * 2 : 64;
+    RowSlot *fresh = PyMem_Calloc((size_t)capacity, sizeof(RowSlot));
+    if (fresh == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    RowSlot *old = s->slots;
+    Py_ssize_t old_capacity = s->slot_capacity;
+    s->slots = fresh;
+    s->slot_capacity = capacity;
+    for (Py_ssize_t i = 0; i < old_capacity; i++) {
+        if (old[i].stamp == s->generation) *find_slot(s, old[i].row) = old[i];
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+/* Index records [tracked, n) in order: O(1) amortised per write. -1 with MemoryError (the
+ * writes indexed so far stay indexed; a later call resumes). */
+static int track(Stager *s) {
+    Py_ssize_t n = num_records(s);
+    if (s->tracked > n) reset_tracking(s); /* the buffers were cleared behind our back */
+    if (s->tracked == n) return 0;
+    if (reserve((void **)&s->links, &s->link_capacity, n, sizeof(Py_ssize_t)) < 0 ||
+        reserve((void **)&s->fates, &s->fate_capacity, n, sizeof(Py_ssize_t)) < 0)
+        return -1;
+    /* At most one new repeated row per write: reserve so the loop cannot fail half-way. */
+    if (reserve((void **)&s->repeated, &s->repeated_capacity, s->num_repeated + (n - s->tracked),
+                sizeof(long long)) < 0)
+        return -1;
+    s->resolved_for = -1;
+    for (Py_ssize_t w = s->tracked; w < n; w++) {
+        if ((s->slot_used + 1) * 2 > s->slot_capacity && grow_slots(s) < 0) {
+            s->tracked = w;
+            return -1;
+        }
+        long long row = record_at(s, w)[1];
+        RowSlot *slot = find_slot(s, row);
+        if (slot->stamp != s->generation) {
+            slot->stamp = s->generation;
+            slot->row = row;
+            slot->count = 1;
+            s->links[w] = -1;
+            s->slot_used++;
+        } else {
+            s->links[w] = slot->last;
+            if (++slot->count == 2) s->repeated[s->num_repeated++] = row;
+        }
+        slot->last = w;
+        s->fates[w] = FATE_KEEP;
+    }
+    s->tracked = n;
+    return 0;
+}
+
+/* -- later-wins resolution ------------------------------------------------------------------- */
+static int add_piece(Stager *s, Py_ssize_t write, long long start, long long length) {
+    if (reserve((void **)&s->pieces, &s->piece_capacity, s->num_pieces + 1, sizeof(Piece)) < 0)
+        return -1;
+    Piece *piece = &s->pieces[s->num_pieces++];
+    piece->write = write;
+    piece->start = start;
+    piece->length = length;
+    return 0;
+}
+
+/* Walk one repeated row's writes newest to oldest, setting each one's fate. *emitted changes by
+ * the writes dropped and the pieces added, s->hidden by the elements hidden. */
+static int resolve_row(Stager *s, long long row, Py_ssize_t *emitted) {
+    RowSlot *slot = find_slot(s, row);
+    Py_ssize_t m = 0; /* covered intervals */
+    for (Py_ssize_t w = slot->last; w >= 0; w = s->links[w]) {
+        const long long *record = record_at(s, w);
+        long long start = record[2], length = record[4], end = start + length;
+        if (length <= 0) {
+            s->fates[w] = FATE_DROP;
+            (*emitted)--;
+            s->hidden += length;
+            continue;
+        }
+        /* The first covered interval that ends at or after start: it may touch the write. */
+        Py_ssize_t lo = 0, hi = m;
+        while (lo < hi) {
+            Py_ssize_t mid = (lo + hi) / 2;
+            if (s->covered[mid].end < start) lo = mid + 1;
+            else hi = mid;
+        }
+        /* The gaps between the intervals that touch [start, end) are what stays visible. */
+        Py_ssize_t first = s->num_pieces, j = lo;
+        long long position = start;
+        for (; j < m && s->covered[j].start <= end; j++) {
+            if (s->covered[j].start > position &&
+                add_piece(s, w, position, s->covered[j].start - position) < 0)
+                return -1;
+            if (s->covered[j].end > position) position = s->covered[j].end;
+        }
+        if (position < end && add_piece(s, w, position, end - position) < 0) return -1;
+        Py_ssize_t count = s->num_pieces - first;
+        long long visible = 0;
+        for (Py_ssize_t p = first; p < s->num_pieces; p++) visible += s->pieces[p].length;
+        s->hidden += length - visible;
+        if (count == 0) {
+            s->fates[w] = FATE_DROP;
+            (*emitted)--;
+        } else if (count == 1 && s->pieces[first].length == length) {
+            s->fates[w] = FATE_KEEP; /* nothing newer touches it */
+            s->num_pieces = first;
+        } else {
+            s->fates[w] = first;
+            *emitted += count - 1;
+        }
+        /* Merge [start, end) with the intervals [lo, j) it touches. */
+        Interval merged = {start, end};
+        if (lo < j) {
+            if (s->covered[lo].start < merged.start) merged.start = s->covered[lo].start;
+            if (s->covered[j - 1].end > merged.end) merged.end = s->covered[j - 1].end;
+        }
+        if (lo == j) {
+            if (reserve((void **)&s->covered, &s->covered_capacity, m + 1, sizeof(Interval)) < 0)
+                return -1;
+            memmove(&s->covered[lo + 1], &s->covered[lo], (size_t)(m - lo) * sizeof(Interval));
+            m++;
+        } else if (j - lo > 1) {
+            memmove(&s->covered[lo + 1], &s->covered[j], (size_t)(m - j) * sizeof(Interval));
+            m -= j - lo - 1;
+        }
+        s->covered[lo] = merged;
+    }
+    return 0;
+}
+
+/* Index what is staged and resolve later-wins; the number of writes emitted, -1 on error.
+ * Cached until more is staged or the stager is reset. */
+static Py_ssize_t resolve(Stager *s) {
+    if (track(s) < 0) return -1;
+    Py_ssize_t n = s->tracked;
+    if (s->resolved_for == n) return s->resolved;
+    Py_ssize_t emitted = n;
+    s->num_pieces = 0;
+    s->hidden = 0;
+    for (Py_ssize_t r = 0; r < s->num_repeated; r++) {
+        if (resolve_row(s, s->repeated[r], &emitted) < 0) return -1;
+    }
+    s->resolved_for = n;
+    s->resolved = emitted;
+    return emitted;
+}
+
+/* -- Stager methods -------------------------------------------------------------------------- */
 static PyObject *stager_stage(Stager *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "stage(row, start, values) takes 3 arguments");
@@ -91,9 +352,194 @@ static PyObject *stager_stage(Stager *self, PyObject *const *args, Py_ssize_t na
             PyBuffer_Release(&view);
             return NULL;
         }
+        /* The write is staged; if indexing it runs out of memory, resolve() retries (and
+         * raises there). */
+        if (track(self) < 0) PyErr_Clear();
     }
     PyBuffer_Release(&view);
     Py_RETURN_TRUE;
+}
+
+static int int64_column(PyObject *obj, Py_buffer *view, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '=' || *f == '<' || *f == '@') f++;
+    if (view->ndim != 1 || view->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D C-contiguous int64 array", name);
+        return -1;
+    }
+    return 0;
+}
+
+/* stage_columns(rows, starts, lengths, contents) -> -1 when every write is staged, else the
+ * index of the first write that is out of bounds (then nothing is staged). rows, starts and
+ * lengths: 1-D int64 arrays of one length; contents: a byte buffer holding the writes' values
+ * back to back, of the target's dtype (sum(lengths) * itemsize bytes). Writes of length 0 stage
+ * nothing. */
+static PyObject *stager_stage_columns(Stager *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "stage_columns(rows, starts, lengths, contents) takes 4 arguments");
+        return NULL;
+    }
+    Py_buffer rows = {0}, starts = {0}, lengths = {0}, contents = {0};
+    PyObject *result = NULL;
+    if (int64_column(args[0], &rows, "rows") < 0 || int64_column(args[1], &starts, "starts") < 0 ||
+        int64_column(args[2], &lengths, "lengths") < 0 ||
+        PyObject_GetBuffer(args[3], &contents, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    Py_ssize_t n = rows.shape[0];
+    if (starts.shape[0] != n || lengths.shape[0] != n) {
+        PyErr_SetString(PyExc_ValueError, "rows, starts and lengths differ in length");
+        goto done;
+    }
+    const long long *row = rows.buf, *start = starts.buf, *length = lengths.buf;
+    Py_ssize_t nonempty = 0;
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (length[i] < 0 || row[i] < 0 || row[i] >= self->num_rows || start[i] < 0 ||
+            start[i] > self->row_len - length[i]) {
+            result = PyLong_FromSsize_t(i);
+            goto done;
+        }
+        if (total > PY_SSIZE_T_MAX - length[i]) {
+            PyErr_SetString(PyExc_ValueError, "the writes' lengths overflow");
+            goto done;
+        }
+        nonempty += length[i] > 0;
+        total += length[i];
+    }
+    if (total > PY_SSIZE_T_MAX / self->itemsize || contents.len != total * self->itemsize) {
+        PyErr_Format(PyExc_ValueError, "contents hold %zd bytes, the writes need %lld", contents.len,
+                     total * self->itemsize);
+        goto done;
+    }
+    Py_ssize_t old_contents = PyByteArray_GET_SIZE(self->contents);
+    Py_ssize_t old_records = PyByteArray_GET_SIZE(self->records);
+    if (PyByteArray_Resize(self->contents, old_contents + (Py_ssize_t)contents.len) < 0) goto done;
+    if (PyByteArray_Resize(self->records, old_records + nonempty * RECORD_BYTES) < 0) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyByteArray_Resize(self->contents, old_contents);
+        PyErr_Restore(type, value, traceback);
+        goto done;
+    }
+    memcpy(PyByteArray_AS_STRING(self->contents) + old_contents, contents.buf, (size_t)contents.len);
+    long long *record = (long long *)(PyByteArray_AS_STRING(self->records) + old_records);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (length[i] == 0) continue;
+        record[0] = 0;
+        record[1] = row[i];
+        record[2] = start[i];
+        record[3] = 0;
+        record[4] = length[i];
+        record += RECORD_FIELDS;
+    }
+    if (track(self) < 0) PyErr_Clear(); /* staged; resolve() retries the indexing */
+    result = PyLong_FromLong(-1);
+done:
+    if (rows.obj != NULL) PyBuffer_Release(&rows);
+    if (starts.obj != NULL) PyBuffer_Release(&starts);
+    if (lengths.obj != NULL) PyBuffer_Release(&lengths);
+    if (contents.obj != NULL) PyBuffer_Release(&contents);
+    return result;
+}
+
+/* resolve() -> (num_writes, num_elements): what write_columns emits. */
+static PyObject *stager_resolve(Stager *self, PyObject *unused) {
+    Py_ssize_t emitted = resolve(self);
+    if (emitted < 0) return NULL;
+    long long elements = PyByteArray_GET_SIZE(self->contents) / self->itemsize - self->hidden;
+    return Py_BuildValue("nL", emitted, elements);
+}
+
+static int int32_output(PyObject *obj, Py_buffer *view, Py_ssize_t needed, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '=' || *f == '<' || *f == '@') f++;
+    if (view->ndim != 1 || view->itemsize != 4 || strcmp(f, "i") || view->shape[0] < needed) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "%s must be a writable 1-D int32 array of at least %zd",
+                     name, needed);
+        return -1;
+    }
+    return 0;
+}
+
+/* write_columns(rows, starts, lengths, offsets, values) -> the number of writes emitted: the
+ * resolved writes as int32 columns and their visible values packed back to back in write order
+ * (offsets in elements into values, a byte buffer). Columns past that number are left alone. */
+static PyObject *stager_write_columns(Stager *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "write_columns(rows, starts, lengths, offsets, values) takes 5 arguments");
+        return NULL;
+    }
+    Py_ssize_t emitted = resolve(self);
+    if (emitted < 0) return NULL;
+    Py_buffer out[4] = {{0}}, values = {0};
+    static const char *names[4] = {"rows", "starts", "lengths", "offsets"};
+    PyObject *result = NULL;
+    for (int c = 0; c < 4; c++) {
+        if (int32_output(args[c], &out[c], emitted, names[c]) < 0) goto done;
+    }
+    if (PyObject_GetBuffer(args[4], &values, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    Py_ssize_t itemsize = self->itemsize;
+    long long elements = PyByteArray_GET_SIZE(self->contents) / itemsize - self->hidden;
+    if (elements > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "the staged values exceed the int32 index range");
+        goto done;
+    }
+    if (values.len < elements * itemsize) {
+        PyErr_Format(PyExc_ValueError, "values hold %zd bytes, the writes %lld", values.len,
+                     elements * itemsize);
+        goto done;
+    }
+    int32_t *rows = out[0].buf, *starts = out[1].buf, *lengths = out[2].buf, *offsets = out[3].buf;
+    const char *source = PyByteArray_AS_STRING(self->contents);
+    char *target = values.buf;
+    Py_ssize_t n = self->tracked, k = 0;
+    long long in = 0, at = 0; /* elements: read from the staged contents, written to values */
+    for (Py_ssize_t w = 0; w < n; w++) {
+        const long long *record = record_at(self, w);
+        Py_ssize_t fate = self->fates[w];
+        if (fate == FATE_KEEP) {
+            rows[k] = (int32_t)record[1];
+            starts[k] = (int32_t)record[2];
+            lengths[k] = (int32_t)record[4];
+            offsets[k] = (int32_t)at;
+            memcpy(target + at * itemsize, source + in * itemsize, (size_t)(record[4] * itemsize));
+            at += record[4];
+            k++;
+        } else if (fate >= 0) {
+            for (Py_ssize_t p = fate; p < self->num_pieces && self->pieces[p].write == w; p++) {
+                const Piece *piece = &self->pieces[p];
+                rows[k] = (int32_t)record[1];
+                starts[k] = (int32_t)piece->start;
+                lengths[k] = (int32_t)piece->length;
+                offsets[k] = (int32_t)at;
+                memcpy(target + at * itemsize, source + (in + piece->start - record[2]) * itemsize,
+                       (size_t)(piece->length * itemsize));
+                at += piece->length;
+                k++;
+            }
+        }
+        in += record[4];
+    }
+    result = PyLong_FromSsize_t(k);
+done:
+    for (int c = 0; c < 4; c++) {
+        if (out[c].obj != NULL) PyBuffer_Release(&out[c]);
+    }
+    if (values.obj != NULL) PyBuffer_Release(&values);
+    return result;
+}
+
+static PyObject *stager_reset(Stager *self, PyObject *unused) {
+    reset_tracking(self);
+    Py_RETURN_NONE;
 }
 
 static PyObject *stager_close(Stager *self, PyObject *unused) {
@@ -122,11 +568,17 @@ static int stager_init(Stager *self, PyObject *args, PyObject *kwargs) {
     self->row_len = row_len;
     strcpy(self->format, format);
     self->itemsize = itemsize;
+    reset_tracking(self);
     return 0;
 }
 
 static void stager_dealloc(Stager *self) {
-    PyMem_Free(self->row_stamps);
+    PyMem_Free(self->links);
+    PyMem_Free(self->fates);
+    PyMem_Free(self->slots);
+    PyMem_Free(self->repeated);
+    PyMem_Free(self->pieces);
+    PyMem_Free(self->covered);
     Py_XDECREF(self->records);
     Py_XDECREF(self->contents);
     PyTypeObject *type = Py_TYPE(self);
@@ -134,11 +586,11 @@ static void stager_dealloc(Stager *self) {
     Py_DECREF(type);
 }
 
-static PyTypeObject *stager_type;
-
-/* pack(stagers, group_table, address, capacity) -> (num_writes, contents_start, total_bytes,
- * repeated_row). Nothing is written when total_bytes > capacity (grow the slot and call again).
- * address is the host address of a slot of capacity bytes, 8-byte aligned. */
+/* -- module functions ------------------------------------------------------------------------ */
+/* pack(stagers, group_table, address, capacity) -> (num_writes, contents_start, total_bytes).
+ * num_writes counts the resolved writes (no two overlap). Nothing is written when total_bytes >
+ * capacity (grow the slot and call again). address is the host address of a slot of capacity
+ * bytes, 8-byte aligned. */
 static PyObject *pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "pack(stagers, group_table, address, capacity)");
@@ -169,13 +621,14 @@ static PyObject *pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
         Stager *s = (Stager *)items[g];
-        num_writes += PyByteArray_GET_SIZE(s->records) / (RECORD_FIELDS * 8);
+        Py_ssize_t emitted = resolve(s);
+        if (emitted < 0) goto done;
+        num_writes += emitted;
         contents_bytes = (contents_bytes + s->itemsize - 1) / s->itemsize * s->itemsize;
         contents_bytes += PyByteArray_GET_SIZE(s->contents);
     }
     Py_ssize_t contents_start = (num_groups * 3 + num_writes * RECORD_FIELDS) * 8;
     Py_ssize_t total = contents_start + contents_bytes;
-    int repeated = 0;
     if (num_writes > 0 && total <= capacity) {
         char *slot = (char *)(uintptr_t)address;
         memcpy(slot, groups.buf, (size_t)groups.len);
@@ -183,41 +636,48 @@ static PyObject *pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t base = 0;
         for (Py_ssize_t g = 0; g < num_groups; g++) {
             Stager *s = (Stager *)items[g];
-            Py_ssize_t n = PyByteArray_GET_SIZE(s->records) / (RECORD_FIELDS * 8);
+            Py_ssize_t n = s->tracked;
             Py_ssize_t size = PyByteArray_GET_SIZE(s->contents);
             base = (base + s->itemsize - 1) / s->itemsize * s->itemsize;
             if (n == 0) continue;
-            memcpy(table, PyByteArray_AS_STRING(s->records), (size_t)n * RECORD_FIELDS * 8);
             memcpy(slot + contents_start + base, PyByteArray_AS_STRING(s->contents), (size_t)size);
-            if (s->row_stamps == NULL && s->num_rows > 0) {
-                s->row_stamps = PyMem_Calloc((size_t)s->num_rows, sizeof(unsigned int));
-                if (s->row_stamps == NULL) {
-                    PyErr_NoMemory();
-                    goto done;
-                }
-            }
-            if (++s->generation == 0) { /* wrapped: forget every stamp */
-                memset(s->row_stamps, 0, (size_t)s->num_rows * sizeof(unsigned int));
-                s->generation = 1;
-            }
             long long offset = base;
-            for (Py_ssize_t w = 0; w < n; w++, table += RECORD_FIELDS) {
-                long long row = table[1];
-                table[0] = g;
-                table[3] = offset;
-                offset += table[4] * s->itemsize;
-                /* Rows were bounds-checked when staged; check again rather than trust. */
-                if (row < 0 || row >= s->num_rows) {
-                    PyErr_SetString(PyExc_RuntimeError, "staged row out of range");
-                    goto done;
+            if (s->num_repeated == 0) {
+                /* Every write its own row: the records as they are, group and offset filled. */
+                memcpy(table, PyByteArray_AS_STRING(s->records), (size_t)n * RECORD_BYTES);
+                for (Py_ssize_t w = 0; w < n; w++, table += RECORD_FIELDS) {
+                    table[0] = g;
+                    table[3] = offset;
+                    offset += table[4] * s->itemsize;
                 }
-                if (s->row_stamps[row] == s->generation) repeated = 1;
-                s->row_stamps[row] = s->generation;
+            } else {
+                for (Py_ssize_t w = 0; w < n; w++) {
+                    const long long *record = record_at(s, w);
+                    Py_ssize_t fate = s->fates[w];
+                    if (fate == FATE_KEEP) {
+                        table[0] = g;
+                        table[1] = record[1];
+                        table[2] = record[2];
+                        table[3] = offset;
+                        table[4] = record[4];
+                        table += RECORD_FIELDS;
+                    } else if (fate >= 0) {
+                        for (Py_ssize_t p = fate; p < s->num_pieces && s->pieces[p].write == w;
+                             p++, table += RECORD_FIELDS) {
+                            table[0] = g;
+                            table[1] = record[1];
+                            table[2] = s->pieces[p].start;
+                            table[3] = offset + (s->pieces[p].start - record[2]) * s->itemsize;
+                            table[4] = s->pieces[p].length;
+                        }
+                    }
+                    offset += record[4] * s->itemsize;
+                }
             }
             base += size;
         }
     }
-    result = Py_BuildValue("nnni", num_writes, contents_start, total, repeated);
+    result = Py_BuildValue("nnn", num_writes, contents_start, total);
 done:
     if (groups.obj != NULL) PyBuffer_Release(&groups);
     Py_DECREF(stagers);
@@ -241,6 +701,7 @@ static PyObject *clear(PyObject *module, PyObject *arg) {
             Py_DECREF(stagers);
             return NULL;
         }
+        reset_tracking(s);
     }
     Py_DECREF(stagers);
     Py_RETURN_NONE;
@@ -249,7 +710,7 @@ static PyObject *clear(PyObject *module, PyObject *arg) {
 static PyMethodDef module_methods[] = {
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL,
      "pack(stagers, group_table, address, capacity) -> (num_writes, contents_start, "
-     "total_bytes, repeated_row)"},
+     "total_bytes): the resolved writes (no two overlap) laid out in a slot"},
     {"clear", (PyCFunction)clear, METH_O, "clear(stagers): drop their staged writes"},
     {NULL, NULL, 0, NULL},
 };
@@ -257,6 +718,16 @@ static PyMethodDef module_methods[] = {
 static PyMethodDef stager_methods[] = {
     {"stage", (PyCFunction)(void (*)(void))stager_stage, METH_FASTCALL,
      "stage(row, start, values) -> bool: True when staged, False to take the Python path"},
+    {"stage_columns", (PyCFunction)(void (*)(void))stager_stage_columns, METH_FASTCALL,
+     "stage_columns(rows, starts, lengths, contents) -> -1 when all are staged, else the index "
+     "of the first write out of bounds (nothing staged)"},
+    {"resolve", (PyCFunction)stager_resolve, METH_NOARGS,
+     "resolve() -> (num_writes, num_elements) left once later writes hide earlier ones"},
+    {"write_columns", (PyCFunction)(void (*)(void))stager_write_columns, METH_FASTCALL,
+     "write_columns(rows, starts, lengths, offsets, values) -> the resolved writes as int32 "
+     "columns, their visible values packed into values"},
+    {"reset", (PyCFunction)stager_reset, METH_NOARGS,
+     "forget the indexed writes (call after clearing the buffers)"},
     {"close", (PyCFunction)stager_close, METH_NOARGS, "refuse every later stage()"},
     {NULL, NULL, 0, NULL},
 };
@@ -266,7 +737,7 @@ static PyType_Slot stager_slots[] = {
     {Py_tp_dealloc, stager_dealloc},
     {Py_tp_methods, stager_methods},
     {Py_tp_new, PyType_GenericNew},
-    {Py_tp_doc, "The C fast path of StagedWriteTensor.stage_write."},
+    {Py_tp_doc, "The C fast path of staged writes: staging, later-wins resolution, packing."},
     {0, NULL},
 };
 
@@ -276,7 +747,7 @@ static PyType_Spec stager_spec = {
 
 static struct PyModuleDef staging_module = {
     PyModuleDef_HEAD_INIT, "_staging",
-    "The C fast paths of StagedWriteTensor.stage_write and FusedStagedWriter.apply.", -1,
+    "The C fast paths of staged writes: staging, later-wins resolution, packing.", -1,
     module_methods,
 };
 

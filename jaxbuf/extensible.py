@@ -4,37 +4,41 @@ An :class:`ExtensibleTensor` reserves address space for its maximum size once, t
 it with physical memory on demand through a :class:`~jaxbuf.drivers.base.VmmDriver`
 (CUDA virtual memory management on a GPU, ``mmap``/``memfd`` on the CPU). Views taken
 before a grow stay valid after it, so a CUDA graph captured over the buffer keeps working.
+
+The reservation and its chunks are a :class:`~jaxbuf._reservation.VirtualBuffer` (defragmenting
+in :mod:`jaxbuf._defragment`); this module adds the segments, the public API and the ownership
+rules of :mod:`jaxbuf._owner`: every export keeps the virtual buffer alive, and :meth:`free`
+means "I am done".
 """
 
 from __future__ import annotations
 
-import itertools
-from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from jaxbuf import interop
 from jaxbuf._checks import as_int as _as_int
-from jaxbuf._errors import attempt, raise_first
-from jaxbuf._intervals import IntervalSet
-from jaxbuf._lifetime import release_when_collected
+from jaxbuf._defragment import defragment_segments
+from jaxbuf._errors import attempt
+from jaxbuf._owner import Lifetime
+from jaxbuf._reservation import MIN_GRANULARITY, commit_granule, round_up
+from jaxbuf._reservation import VirtualBuffer as _VirtualBuffer
 from jaxbuf._resolve import resolve
 from jaxbuf._segments import SegmentedReservation
 from jaxbuf.devices import Device, as_device
 from jaxbuf.drivers.base import VmmDriver
 from jaxbuf.views import BufferView
 
-__all__ = ["ExtensibleTensor", "granule_size"]
+__all__ = ["SEGMENT_ALIGNMENT", "ExtensibleTensor", "granule_size"]
 
-# Commit granule floor. Committing in 2 MiB units keeps the number of driver
-# allocations (and mappings) small, and matches the large-page size on x86 and the
-# CUDA granularity on most GPUs.
-_MIN_GRANULARITY = 2 * 1024 * 1024
-# Sizes must fit DLPack's int64 shapes (and size_t, which ctypes would silently wrap).
-_MAX_BYTES = (1 << 63) - _MIN_GRANULARITY
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
+# Sizes must fit DLPack's int64 shapes (and size_t, which ctypes would silently wrap), after
+# rounding up to the granule.
+_MAX_BYTES = (1 << 63) - MIN_GRANULARITY
+#: Every segment starts at a multiple of this many bytes of the (granule-aligned) reservation,
+#: so every segment view is aligned for any consumer: JAX imports host memory in place only at
+#: 64-byte alignment (it copies otherwise), and CUDA's own allocations are 256-byte aligned.
+SEGMENT_ALIGNMENT = 256
+_FREED = "the ExtensibleTensor has been freed"
 
 
 def _as_size(value: Any, name: str) -> int:
@@ -82,8 +86,7 @@ def _check_peers(peers: list[Device], device: Device, driver: VmmDriver) -> None
             raise ValueError(f"peer device {peer} is the owner device itself")
         if not 0 <= peer.index < count:
             raise ValueError(
-                f"peer device {peer} is out of range: {count} {device.platform} device(s)"
-                " available"
+                f"peer device {peer} is out of range: {count} {device.platform} device(s) available"
             )
     for peer in peers:
         if not driver.can_access_peer(peer.index, device.index):
@@ -91,6 +94,43 @@ def _check_peers(peers: list[Device], device: Device, driver: VmmDriver) -> None
                 f"peer device {peer} cannot access memory on {device} (no peer-to-peer "
                 "support between them: cuDeviceCanAccessPeer says no)"
             )
+
+
+def _segment_capacities(max_num_bytes: int, num_segments: Any, capacities: Any) -> list[int]:
+    """The validated segment capacities (equal ones, or the explicit list)."""
+    num_segments = _as_int(num_segments, "num_segments")
+    if num_segments < 1:
+        raise ValueError(f"num_segments must be positive, got {num_segments}")
+    if capacities is None:
+        if max_num_bytes % num_segments != 0:
+            raise ValueError(
+                f"max_num_bytes ({max_num_bytes}) must be divisible by "
+                f"num_segments ({num_segments})"
+            )
+        return [max_num_bytes // num_segments] * num_segments
+    capacities = _as_size_list(capacities, "segment_capacities")
+    if not capacities or any(c <= 0 for c in capacities):
+        raise ValueError(f"segment_capacities must be non-empty and positive, got {capacities}")
+    if num_segments not in (1, len(capacities)):
+        raise ValueError(
+            f"num_segments ({num_segments}) does not match the {len(capacities)} segment_capacities"
+        )
+    if sum(capacities) != max_num_bytes:
+        raise ValueError(
+            f"segment_capacities sum to {sum(capacities)}, not max_num_bytes ({max_num_bytes})"
+        )
+    return capacities
+
+
+def _aligned_offsets(capacities: list[int]) -> tuple[list[int], int]:
+    """Each segment's start (the previous end rounded up to :data:`SEGMENT_ALIGNMENT`) and
+    the end of the last one."""
+    offsets, end = [], 0
+    for capacity in capacities:
+        start = round_up(end, SEGMENT_ALIGNMENT)
+        offsets.append(start)
+        end = start + capacity
+    return offsets, end
 
 
 def granule_size(device: Any = None, driver: VmmDriver | None = None) -> int:
@@ -105,484 +145,16 @@ def granule_size(device: Any = None, driver: VmmDriver | None = None) -> int:
     0
     """
     device, driver = resolve(device, driver)
-    return _granule_size(driver, device.index)
+    return commit_granule(driver, device.index)
 
 
-def _granule_size(driver: VmmDriver, device_index: int) -> int:
-    driver_granularity = driver.granularity(device_index)
-    return _round_up(max(driver_granularity, _MIN_GRANULARITY), driver_granularity)
-
-
-class _VirtualBuffer:
-    """One reservation and the physical chunks mapped into it.
-
-    Invariants (between calls):
-
-    * ``_chunks`` is sorted by offset, chunks are disjoint, each was created, mapped and
-      granted access as a whole; ``_chunk_offsets`` mirrors their offsets for bisection.
-    * ``_committed`` (granule-aligned byte offsets) is exactly the union of the chunks,
-      so no granule is mapped without access, and no recorded granule lacks memory.
-    * ``_physical_bytes`` equals the summed chunk sizes.
-
-    The one exception is a double fault (a rollback ``unmap`` that itself fails): the
-    chunk stays tracked (in ``_chunks`` and ``_committed``, so nothing maps over it), the
-    buffer refuses to grow (``_stranded`` names why) until :meth:`release_physical`
-    unmaps it, and the original error carries the rollback failure as a note.
-    """
-
-    def __init__(
-        self, max_bytes: int, device_index: int, driver: VmmDriver, granularity: int
-    ) -> None:
-        self._driver = driver
-        self.device_index = device_index
-        self.granularity = granularity
-        self.reserved_size = _round_up(max(max_bytes, 1), granularity)
-        self.base_ptr = 0
-        self._committed = IntervalSet()
-        self._chunks: list[tuple[int, int, Any]] = []  # (offset, size, handle)
-        self._chunk_offsets: list[int] = []
-        self._physical_bytes = 0
-        # Handles unmapped but whose release failed; retried by release_physical.
-        self._unreleased: list[Any] = []
-        # Set after a double fault left a chunk mapped that could not be unmapped.
-        self._stranded: str | None = None
-        self._freed = False
-        # Devices granted read/write on every committed run: the owner, then its peers.
-        # Every set_access goes through this tuple (see grant_access).
-        self.access_devices: tuple[int, ...] = (device_index,)
-        # Chunk identity for cross-process sharing (jaxbuf.sharing): offset -> a number
-        # never reused by this buffer, so an importer tells a recreated chunk from the old.
-        self._chunk_ids: dict[int, int] = {}
-        self._chunk_id_counter = itertools.count(1)
-        # Temporary reservations that defragment could not clean up (an unmap or a
-        # free_reserved failed): (ptr, size, [(ptr, size, handle) still mapped there]).
-        # release_physical retries them.
-        self._stray_reservations: list[tuple[int, int, list[tuple[int, int, Any]]]] = []
-        driver.ensure_context(device_index)
-        self.base_ptr = driver.reserve(self.reserved_size, granularity)
-
-    # -- queries --------------------------------------------------------------------
-    @property
-    def physical_bytes(self) -> int:
-        return self._physical_bytes
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self._chunks)
-
-    def chunk_containing(self, offset: int, size: int) -> bool:
-        """Whether ``[offset, offset + size)`` lies within one chunk."""
-        i = bisect_right(self._chunk_offsets, offset) - 1
-        if i < 0:
-            return False
-        chunk_offset, chunk_size, _ = self._chunks[i]
-        return offset + size <= chunk_offset + chunk_size
-
-    # -- committing -----------------------------------------------------------------
-    def ensure_committed_ranges(self, ranges: Sequence[tuple[int, int]]) -> None:
-        """Back every byte range ``[start, end)`` of ``ranges`` with physical memory.
-
-        All or nothing: on any driver failure the chunks created by this call are
-        unmapped and released again, and the original error propagates.
-        """
-        for start, end in ranges:
-            if not 0 <= start <= end <= self.reserved_size:
-                raise ValueError(
-                    f"range [{start}, {end}) is outside the reservation of "
-                    f"{self.reserved_size} bytes"
-                )
-        self._check_alive()
-        if self._stranded is not None:
-            raise RuntimeError(
-                f"cannot commit: {self._stranded}; call release_physical() first"
-            )
-        granularity = self.granularity
-        new_chunks: list[tuple[int, int, Any]] = []
-        self._driver.ensure_context(self.device_index)
-        try:
-            for start, end in ranges:
-                if start == end:
-                    continue
-                first = start // granularity * granularity
-                last = _round_up(end, granularity)
-                # Ranges of neighbouring segments may share a granule; gaps are taken
-                # against the runs recorded so far, so a shared granule is mapped once.
-                for gap_start, gap_end in self._committed.gaps(first, last):
-                    new_chunks.append(self._commit_gap(gap_start, gap_end))
-        except BaseException as error:
-            for chunk in reversed(new_chunks):
-                self._rollback_chunk(chunk, error)
-            raise
-
-    def _commit_gap(self, offset: int, size_end: int) -> tuple[int, int, Any]:
-        """Create, map and grant one chunk over ``[offset, size_end)``; record it."""
-        driver = self._driver
-        size = size_end - offset
-        ptr = self.base_ptr + offset
-        # Out of memory: the CUDA driver already returns framework caches and retries.
-        handle = driver.create(size, self.device_index)
-        try:
-            driver.map(ptr, size, handle)
-        except BaseException as error:
-            self._release_noting(handle, error)
-            raise
-        # Grant the new chunk only, the owner and its peers in one call: a range of whole
-        # chunks, as cuMemSetAccess requires (PyTorch's expandable segments grant the same
-        # way). Recorded chunks keep the access they were granted; re-granting the merged
-        # run, as the seed did, changes nothing and costs time growing with the run (0.7 ms
-        # at 48 GiB committed on an H200, issue 15). Existing mappings are never touched, so
-        # CUDA graphs captured over the reservation stay valid.
-        try:
-            driver.set_access_many(ptr, size, self.access_devices)
-        except BaseException as error:
-            if not self._unmap_and_release_noting(ptr, size, handle, error):
-                # Mapped without access and cannot be unmapped: track it so that
-                # release_physical retries, and refuse to grow until then.
-                self._committed.add(offset, size_end)
-                self._insert_chunk((offset, size, handle))
-            raise
-        # Only now is the run recorded: later commits skip recorded granules, so a
-        # recorded granule must be mapped *and* accessible.
-        self._committed.add(offset, size_end)
-        self._insert_chunk((offset, size, handle))
-        return offset, size, handle
-
-    def chunk_records(self) -> list[tuple[int, int, Any, int]]:
-        """``(offset, size, handle, chunk_id)`` of every mapped chunk, by offset."""
-        return [(o, n, h, self._chunk_ids[o]) for o, n, h in self._chunks]
-
-    def _insert_chunk(self, chunk: tuple[int, int, Any]) -> None:
-        self._chunk_ids[chunk[0]] = next(self._chunk_id_counter)
-        i = bisect_left(self._chunk_offsets, chunk[0])
-        self._chunk_offsets.insert(i, chunk[0])
-        self._chunks.insert(i, chunk)
-        self._physical_bytes += chunk[1]
-
-    def _remove_chunk(self, offset: int) -> None:
-        i = bisect_left(self._chunk_offsets, offset)
-        del self._chunk_offsets[i]
-        _, size, _ = self._chunks.pop(i)
-        self._physical_bytes -= size
-        self._chunk_ids.pop(offset, None)
-
-    def _release_noting(self, handle: Any, error: BaseException) -> bool:
-        """Release ``handle``; on failure note it on ``error`` and keep it for later."""
-        if attempt(error, "rollback: release", self._driver.release, handle):
-            return True
-        self._unreleased.append(handle)
-        return False
-
-    def _unmap_and_release_noting(
-        self, ptr: int, size: int, handle: Any, error: BaseException
-    ) -> bool:
-        """Undo a mapping during rollback; False when the chunk is still mapped."""
-        try:
-            self._driver.unmap(ptr, size)
-        except Exception as rollback_error:  # noqa: BLE001 - reported as a note
-            error.add_note(
-                f"rollback: unmap(ptr={ptr:#x}, size={size}) failed too: "
-                f"{rollback_error!r}; the chunk stays tracked and is retried by "
-                "release_physical()"
-            )
-            self._stranded = f"a chunk at offset {ptr - self.base_ptr} could not be unmapped"
-            return False
-        self._release_noting(handle, error)
-        return True
-
-    def _rollback_chunk(self, chunk: tuple[int, int, Any], error: BaseException) -> None:
-        offset, size, handle = chunk
-        # A chunk whose unmap fails stays recorded (it is mapped and accessible).
-        if self._unmap_and_release_noting(self.base_ptr + offset, size, handle, error):
-            self._committed.discard(offset, offset + size)
-            self._remove_chunk(offset)
-
-    def grant_access(self, device_indices: tuple[int, ...]) -> None:
-        """Grant ``device_indices`` read/write on every committed run, then add them to
-        :attr:`access_devices` so that later commits grant them too.
-
-        On a driver failure :attr:`access_devices` is unchanged; runs granted before the
-        failure stay accessible to the new devices (access is only ever added, and no
-        recorded granule loses access).
-        """
-        self._check_alive()
-        if not device_indices:
-            return
-        driver = self._driver
-        driver.ensure_context(self.device_index)
-        # Runs are unions of whole chunks, as set_access requires.
-        for start, end in list(self._committed):
-            driver.set_access_many(self.base_ptr + start, end - start, device_indices)
-        self.access_devices = self.access_devices + tuple(device_indices)
-
-    # -- defragmenting (one chunk per span, for RDMA registration) ---------------------
-    def chunks_tiling(self, first: int, last: int) -> list[tuple[int, int, Any]]:
-        """The chunks that exactly tile ``[first, last)`` (granule-aligned, committed).
-
-        ValueError when a chunk crosses either end: it is shared with a neighbouring
-        span, so ``[first, last)`` cannot become one chunk of its own.
-        """
-        lo = bisect_left(self._chunk_offsets, first)
-        hi = bisect_left(self._chunk_offsets, last)
-        chunks = self._chunks[lo:hi]
-        cursor = first
-        for offset, size, _ in chunks:
-            if offset != cursor:
-                break
-            cursor += size
-        if not chunks or chunks[0][0] != first or cursor != last:
-            raise ValueError(
-                f"bytes [{first}, {last}) are not exactly covered by whole chunks: a chunk "
-                "is shared with a neighbouring segment"
-            )
-        return chunks
-
-    def defragment_span(self, first: int, last: int) -> bool:
-        """Replace the chunks tiling ``[first, last)`` by one chunk with the same bytes at
-        the same addresses. False when one chunk already covers it.
-
-        Steps: a new chunk is created and mapped at a temporary reservation, the bytes are
-        copied into it (``driver.copy``), the old chunks are moved out of the way into a
-        second temporary reservation (``driver.move_mapping``: the pages move, so a
-        rollback moves them back intact), the new chunk is moved to ``first`` and granted
-        access; only then are the old chunks unmapped and released.
-
-        All or nothing: a driver failure before the new chunk is granted access puts the
-        old chunks back (re-granted) and discards the new one. A failure while cleaning up
-        after success leaves the span defragmented; what could not be cleaned up is kept
-        for :meth:`release_physical` to retry, and the error is raised.
-        """
-        self._check_alive()
-        if self._stranded is not None:
-            raise RuntimeError(f"cannot defragment: {self._stranded}; call release_physical()")
-        old = self.chunks_tiling(first, last)
-        if len(old) == 1:
-            return False
-        driver, device_index, granularity = self._driver, self.device_index, self.granularity
-        size, base = last - first, self.base_ptr
-        # Pending work (a consumer's kernel, on the owner or a peer) may still write the
-        # old chunks.
-        for access_device in self.access_devices:
-            driver.synchronize(access_device)
-        driver.ensure_context(device_index)
-        new_tmp = driver.reserve(size, granularity)
-        handle: Any = None
-        new_at: int | None = None  # address the new chunk is mapped at
-        old_tmp: int | None = None
-        moved_out: list[tuple[int, int, Any]] = []
-        try:
-            handle = driver.create(size, device_index)
-            driver.map(new_tmp, size, handle)
-            new_at = new_tmp
-            driver.set_access(new_tmp, size, device_index)
-            driver.copy(new_tmp, base + first, size, device_index)
-            driver.synchronize(device_index)
-            old_tmp = driver.reserve(size, granularity)
-            for offset, chunk_size, old_handle in old:
-                driver.move_mapping(
-                    old_handle, base + offset, old_tmp + offset - first, chunk_size
-                )
-                moved_out.append((offset, chunk_size, old_handle))
-            driver.move_mapping(handle, new_tmp, base + first, size)
-            new_at = base + first
-            # Only the moved chunk lost its access; the neighbouring chunks were never
-            # touched and keep theirs, so the grant is the new chunk alone.
-            driver.set_access_many(base + first, size, self.access_devices)
-        except BaseException as error:
-            self._undo_defragment(
-                error, first, last, new_tmp, handle, new_at, old_tmp, moved_out
-            )
-            raise
-        # Committed: the bookkeeping now names the new chunk (the committed runs are
-        # unchanged), then the old chunks and the temporary reservations go.
-        for offset, _, _ in old:
-            self._remove_chunk(offset)
-        self._insert_chunk((first, size, handle))
-        errors = self._cleanup_temporary(
-            old_tmp, size, [(old_tmp + o - first, n, h) for o, n, h in old]
-        )
-        errors += self._cleanup_temporary(new_tmp, size, [])
-        if errors:
-            errors[0].add_note(
-                "defragment completed (the span is one chunk); cleaning up the old chunks "
-                "failed and is retried by release_physical()"
-            )
-            raise_first(errors, "defragment cleanup")
-        return True
-
-    def _undo_defragment(
-        self,
-        error: BaseException,
-        first: int,
-        last: int,
-        new_tmp: int,
-        handle: Any,
-        new_at: int | None,
-        old_tmp: int | None,
-        moved_out: list[tuple[int, int, Any]],
-    ) -> None:
-        """Roll a failed :meth:`defragment_span` back; rollback failures become notes."""
-        driver, base, size = self._driver, self.base_ptr, last - first
-        if new_at == base + first:
-            moved_back = attempt(
-                error,
-                "defragment rollback: moving the new chunk back",
-                driver.move_mapping,
-                handle,
-                base + first,
-                new_tmp,
-                size,
-            )
-            if not moved_back:
-                self._stranded = f"defragment could not restore bytes [{first}, {last})"
-                return
-            new_at = new_tmp
-        still_out: list[tuple[int, int, Any]] = []
-        for offset, chunk_size, old_handle in reversed(moved_out):
-            tmp_at = old_tmp + offset - first
-            moved_back = attempt(
-                error,
-                "defragment rollback: moving a chunk back",
-                driver.move_mapping,
-                old_handle,
-                tmp_at,
-                base + offset,
-                chunk_size,
-            )
-            if not moved_back:
-                still_out.append((tmp_at, chunk_size, old_handle))
-        if still_out:
-            self._stranded = f"defragment could not restore bytes [{first}, {last})"
-        # Else the old chunks are back in place and tile [first, last) exactly: whole chunks.
-        elif moved_out and not attempt(
-            error,
-            "defragment rollback: re-granting access",
-            driver.set_access_many,
-            base + first,
-            size,
-            self.access_devices,
-        ):
-            self._stranded = f"bytes [{first}, {last}) may lack access after a rollback"
-        if old_tmp is not None:
-            for cleanup_error in self._cleanup_temporary(old_tmp, size, still_out):
-                error.add_note(f"defragment rollback: {cleanup_error!r}")
-        mapped_new = [(new_at, size, handle)] if new_at is not None else []
-        for cleanup_error in self._cleanup_temporary(new_tmp, size, mapped_new):
-            error.add_note(f"defragment rollback: {cleanup_error!r}")
-        if handle is not None and new_at is None:
-            self._release_noting(handle, error)
-
-    def _cleanup_temporary(
-        self, ptr: int, size: int, mapped: list[tuple[int, int, Any]]
-    ) -> list[BaseException]:
-        """Unmap and release the chunks ``mapped`` in the temporary reservation at ``ptr``,
-        then free it. What fails is kept in :attr:`_stray_reservations`; returns the
-        errors."""
-        errors: list[BaseException] = []
-        left: list[tuple[int, int, Any]] = []
-        for chunk_ptr, chunk_size, handle in mapped:
-            try:
-                self._driver.unmap(chunk_ptr, chunk_size)
-            except Exception as error:  # noqa: BLE001 - returned to the caller
-                errors.append(error)
-                left.append((chunk_ptr, chunk_size, handle))
-                continue
-            try:
-                self._driver.release(handle)
-            except Exception as error:  # noqa: BLE001 - returned to the caller
-                errors.append(error)
-                self._unreleased.append(handle)
-        if left:
-            self._stray_reservations.append((ptr, size, left))
-            return errors
-        try:
-            self._driver.free_reserved(ptr, size)
-        except Exception as error:  # noqa: BLE001 - returned to the caller
-            errors.append(error)
-            self._stray_reservations.append((ptr, size, []))
-        return errors
-
-    def _retry_stray_reservations(self) -> list[BaseException]:
-        stray, self._stray_reservations = self._stray_reservations, []
-        errors: list[BaseException] = []
-        for ptr, size, mapped in stray:
-            errors += self._cleanup_temporary(ptr, size, mapped)
-        return errors
-
-    # -- releasing ------------------------------------------------------------------
-    def release_physical(self) -> None:
-        """Unmap and release every chunk, keeping the reservation.
-
-        Best effort over all chunks: a chunk whose unmap fails stays tracked (and
-        committed); the first error is raised with the others attached as notes.
-        """
-        if self._freed:
-            return
-        driver = self._driver
-        driver.ensure_context(self.device_index)
-        errors: list[BaseException] = self._retry_stray_reservations()
-        if not self._chunks and not self._unreleased:
-            if errors:
-                raise errors[0]
-            return
-        # Pending work (a memset, a consumer's kernel, on the owner or a peer device) may
-        # still touch the pages.
-        for device_index in self.access_devices:
-            driver.synchronize(device_index)
-        driver.ensure_context(self.device_index)
-        still_mapped: list[tuple[int, int, Any]] = []
-        unreleased, self._unreleased = self._unreleased, []
-        for handle in unreleased:
-            try:
-                driver.release(handle)
-            except Exception as error:  # noqa: BLE001 - re-raised below
-                errors.append(error)
-                self._unreleased.append(handle)
-        for chunk in self._chunks:
-            offset, size, handle = chunk
-            try:
-                driver.unmap(self.base_ptr + offset, size)
-            except Exception as error:  # noqa: BLE001 - re-raised below
-                errors.append(error)
-                still_mapped.append(chunk)
-                continue
-            try:
-                driver.release(handle)
-            except Exception as error:  # noqa: BLE001 - re-raised below
-                errors.append(error)
-                self._unreleased.append(handle)
-        self._chunks = []
-        self._chunk_offsets = []
-        self._chunk_ids = {}
-        self._physical_bytes = 0
-        self._committed.clear()
-        for chunk in still_mapped:
-            self._committed.add(chunk[0], chunk[0] + chunk[1])
-            self._insert_chunk(chunk)
-        if not still_mapped:
-            self._stranded = None
-        raise_first(errors, "release_physical")
-
-    def free(self) -> None:
-        """Release the physical memory and the reservation. Idempotent."""
-        if self._freed:
-            return
-        self.release_physical()
-        if self.base_ptr:
-            self._driver.free_reserved(self.base_ptr, self.reserved_size)
-        self.base_ptr = 0
-        self._freed = True
-
-    @property
-    def freed(self) -> bool:
-        return self._freed
-
-    def _check_alive(self) -> None:
-        if self._freed:
-            raise RuntimeError("the ExtensibleTensor has been freed")
-
-    def __del__(self, _release: Any = release_when_collected) -> None:
-        if getattr(self, "base_ptr", 0):
-            _release(self.free, "an ExtensibleTensor")
+def _refuse_copy(*args: Any) -> Any:
+    raise TypeError(
+        "an ExtensibleTensor cannot be pickled or copied: it owns a device reservation and "
+        "the memory mapped into it, which no other object or process can take over; share "
+        "it with jaxbuf.sharing.send_buffer, or copy its bytes through a view "
+        "(segment_view(i).to_numpy().copy())"
+    )
 
 
 class ExtensibleTensor(SegmentedReservation):
@@ -590,7 +162,10 @@ class ExtensibleTensor(SegmentedReservation):
 
     The reservation is divided into contiguous segments whose committed bytes form a
     prefix of each: ``num_segments`` equal segments by default, or the explicit
-    ``segment_capacities`` (in bytes, summing to ``max_num_bytes``).
+    ``segment_capacities`` (in bytes, summing to ``max_num_bytes``). Segment ``i`` starts at
+    ``segment_offsets[i]``: the previous segment's end rounded up to
+    :data:`SEGMENT_ALIGNMENT` (256) bytes, so every segment view imports zero-copy into any
+    framework (capacities that are multiples of 256 leave no gaps).
 
     Invariants kept between calls:
 
@@ -602,7 +177,13 @@ class ExtensibleTensor(SegmentedReservation):
     * a failed call (bad input or a driver error) leaves sizes and mappings as they were:
       chunks a failing grow created are unmapped and released again.
 
-    Not thread-safe: callers serialize mutation (resizes, release, free).
+    Ownership: the memory (a :class:`~jaxbuf._reservation.VirtualBuffer`) is held by this
+    handle and by every export of it (DLPack capsules, ``to_numpy``/``to_torch``/``to_jax``
+    arrays); :attr:`live_exports` counts those. :meth:`free` means "I am done" (see there);
+    :meth:`release_physical` is the one operation that invalidates live arrays.
+
+    Not thread-safe: callers serialize mutation (resizes, release, free). Not copyable or
+    picklable (``TypeError``): share it with :mod:`jaxbuf.sharing`.
 
     Parameters
     ----------
@@ -651,61 +232,80 @@ class ExtensibleTensor(SegmentedReservation):
         max_num_bytes = _as_size(max_num_bytes, "max_num_bytes")
         if max_num_bytes >= _MAX_BYTES:
             raise ValueError(
-                f"max_num_bytes must be below 2**63 (a DLPack shape is int64), got {max_num_bytes}"
+                f"max_num_bytes must be below 2**63 - 2 MiB = {_MAX_BYTES} (the reservation, "
+                f"rounded up to the 2 MiB granule, must fit DLPack's int64 shapes), got "
+                f"{max_num_bytes}"
             )
-        num_segments = _as_int(num_segments, "num_segments")
-        if num_segments < 1:
-            raise ValueError(f"num_segments must be positive, got {num_segments}")
-        if segment_capacities is None:
-            if max_num_bytes % num_segments != 0:
-                raise ValueError(
-                    f"max_num_bytes ({max_num_bytes}) must be divisible by "
-                    f"num_segments ({num_segments})"
-                )
-            capacities = [max_num_bytes // num_segments] * num_segments
-        else:
-            capacities = _as_size_list(segment_capacities, "segment_capacities")
-            if not capacities or any(c <= 0 for c in capacities):
-                raise ValueError(
-                    f"segment_capacities must be non-empty and positive, got {capacities}"
-                )
-            if num_segments not in (1, len(capacities)):
-                raise ValueError(
-                    f"num_segments ({num_segments}) does not match the "
-                    f"{len(capacities)} segment_capacities"
-                )
-            if sum(capacities) != max_num_bytes:
-                raise ValueError(
-                    f"segment_capacities sum to {sum(capacities)}, not "
-                    f"max_num_bytes ({max_num_bytes})"
-                )
+        capacities = _segment_capacities(max_num_bytes, num_segments, segment_capacities)
+        offsets, extent = _aligned_offsets(capacities)
+        if extent >= _MAX_BYTES:
+            raise ValueError(
+                f"the segments, each starting at a multiple of {SEGMENT_ALIGNMENT} bytes, "
+                f"span {extent} bytes: that must be below 2**63 - 2 MiB = {_MAX_BYTES}"
+            )
         peers = _parse_peer_specs(peer_devices, None)
         self._device, self._driver = resolve(device, driver)
         _check_peers(peers, self._device, self._driver)
 
         self._max_num_bytes = max_num_bytes
         self._segment_capacities = capacities
-        self._segment_offsets = list(itertools.accumulate([0, *capacities[:-1]]))
+        self._segment_offsets = offsets
+        self._extent = extent
         self._committed = [0] * len(capacities)
-        self._buffer = _VirtualBuffer(
-            max_num_bytes,
+        buffer = _VirtualBuffer(
+            extent,
             self._device.index,
             self._driver,
-            _granule_size(self._driver, self._device.index),
+            commit_granule(self._driver, self._device.index),
         )
         if peers:
             # Nothing is committed yet: this only records the peers for later commits.
-            self._buffer.grant_access(tuple(peer.index for peer in peers))
+            buffer.grant_access(tuple(peer.index for peer in peers))
             self._peer_devices = tuple(peers)
+        # Reported after free() too, as before the ownership model.
+        self._capacity_bytes, self._granularity = buffer.reserved_size, buffer.granularity
+        self._buffer = buffer
+        self._lifetime = Lifetime(buffer)
 
-    # -- views ----------------------------------------------------------------------
+    # -- the owner contract (jaxbuf._owner.MemoryOwner): the export hot path ------------
+    def check_exportable(self) -> None:
+        """RuntimeError once :meth:`free` was called (no new views or exports)."""
+        if self._lifetime.anchor is None:
+            raise RuntimeError(_FREED)
+
+    @property
+    def export_anchor(self) -> Any:
+        """The :class:`~jaxbuf._capsule.ExportAnchor` every export holds: it keeps the virtual
+        buffer (the reservation and its chunks, not this handle) alive and counts the exports.
+        The handle has no ``__del__``, so a handle in a reference cycle with its own arrays
+        (torch tensors and numpy arrays, invisible to the cycle collector through their
+        capsules) is still collected; the memory goes with the last of them."""
+        return self._lifetime.anchor
+
+    @property
+    def live_exports(self) -> int:
+        """Framework arrays (DLPack capsules, ``to_numpy`` arrays) alive over this memory,
+        also after :meth:`free`."""
+        return self._lifetime.live_exports
+
+    @property
+    def released(self) -> bool:
+        """Whether the memory has been given back: after :meth:`free`, at once or when the
+        last export was dropped."""
+        return self._lifetime.released
+
+    def _live_buffer(self) -> _VirtualBuffer:
+        if self._lifetime.anchor is None:
+            raise RuntimeError(_FREED)
+        return self._buffer  # type: ignore[return-value]  # set while the lifetime is open
+
     def _live_base_ptr(self) -> int:
         return self._live_buffer().base_ptr
 
+    # -- views ----------------------------------------------------------------------
     def full_view(self) -> BufferView:
-        """Uint8 view spanning the whole reservation (only committed bytes may be
-        touched)."""
-        return self._view(0, self._max_num_bytes)
+        """Uint8 view spanning every segment (only committed bytes may be touched)."""
+        return self._view(0, self._extent)
 
     # -- growing --------------------------------------------------------------------
     def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> None:
@@ -736,8 +336,7 @@ class ExtensibleTensor(SegmentedReservation):
                 )
             if new > capacity:
                 raise ValueError(
-                    f"requested {new} bytes per segment exceeds the segment "
-                    f"capacity {capacity}"
+                    f"requested {new} bytes per segment exceeds the segment capacity {capacity}"
                 )
         buffer = self._live_buffer()
         grown = [
@@ -795,7 +394,10 @@ class ExtensibleTensor(SegmentedReservation):
     def release_physical(self) -> None:
         """Drop all physical pages but keep the reservation and its views.
 
-        Waits for the device first. Every segment's committed size becomes 0.
+        Waits for the device first. Every segment's committed size becomes 0. The one
+        operation that invalidates live arrays: they keep their address, and touching them
+        faults (the CPU driver: ``SIGSEGV``) until a grow commits memory again; then they
+        work (fresh CPU memory reads zeros; CUDA memory is undefined without ``zero_new``).
         """
         buffer = self._live_buffer()
         try:
@@ -804,29 +406,47 @@ class ExtensibleTensor(SegmentedReservation):
             self._committed = [0] * self.num_segments
 
     def free(self) -> None:
-        """Release the memory and the reservation. Safe to call more than once.
+        """Say "I am done": no new views or exports; the memory goes with the last export.
 
-        Views (and arrays made from them) must not be used afterwards. On the CPU driver a
-        stale access faults (``SIGSEGV``) rather than reading another allocation: the freed
-        range stays reserved ``PROT_NONE`` in the driver's bounded quarantine (see
-        :class:`~jaxbuf.drivers.host.HostVmmDriver`). On CUDA the address may be reused.
-        After :meth:`release_physical` (not ``free``) views keep their address, touching
-        them faults until a grow commits memory again, and then they work (fresh CPU
-        memory reads zeros; CUDA memory is undefined without ``zero_new``).
+        Without live exports the memory is released now: first the frameworks that may still
+        run work on it are waited for (:func:`jaxbuf.interop.quiesce`: JAX's pending
+        computations, torch's CUDA device), then the devices with access are synchronized
+        and everything is unmapped and freed. With live exports (:attr:`live_exports`) this
+        handle lets go of the memory and the last export releases it (synchronizing the
+        devices first, but not the frameworks: see below). Afterwards every method that
+        needs the memory raises ``RuntimeError``, views taken earlier raise at
+        ``__dlpack__`` / ``to_*``, the sizes and :attr:`base_ptr` read 0, and
+        :attr:`released` tells when the memory is gone.
+
+        JAX gives an imported array's memory back early when the array is donated
+        (``jax.jit(..., donate_argnums=...)``): the export ends at dispatch, while the step
+        may still be reading. Call ``free()`` after such a step (it waits for JAX), not
+        before it. On the CPU driver a stale raw pointer faults (``SIGSEGV``) rather than
+        reading another allocation: the freed range stays reserved ``PROT_NONE`` in the
+        driver's bounded quarantine (see :class:`~jaxbuf.drivers.host.HostVmmDriver`).
+
+        Safe to call more than once. A driver failure while releasing propagates; the
+        committed sizes are 0 already (a failed release may have unmapped some chunks) and
+        calling ``free()`` again finishes the release.
         """
         buffer = self._buffer
-        if buffer is None or buffer.freed:
+        if buffer is None:
             return
-        try:
-            buffer.free()
-        finally:
-            # As in release_physical: even a failed free may have unmapped chunks, so no
-            # committed size may claim them (a view would read unmapped memory). A retry
-            # frees what is left.
-            self._committed = [0] * self.num_segments
+        self._committed = [0] * self.num_segments
+        if self._lifetime.closed:  # a release that failed before: retry it
+            self._release_now(buffer)
+        else:
+            self._lifetime.close(self._release_now)
+        # Released, or left to the exports (the anchor holds the buffer; its __del__ runs
+        # when the last export goes): either way this handle holds it no more.
+        self._buffer = None
         self._set_ready_event(None)
 
     close = free
+
+    def _release_now(self, buffer: _VirtualBuffer) -> None:
+        interop.quiesce(self._device)
+        buffer.release()
 
     def __enter__(self) -> ExtensibleTensor:
         return self
@@ -834,20 +454,7 @@ class ExtensibleTensor(SegmentedReservation):
     def __exit__(self, *exc_info: object) -> None:
         self.free()
 
-    @property
-    def export_anchor(self) -> object:
-        """What an export keeps alive: the virtual buffer holding the reservation and its
-        chunks, not this handle. The handle has no ``__del__``; the virtual buffer frees the
-        memory when collected, so an export keeps the memory, and a handle in a reference
-        cycle with its own arrays (torch tensors, numpy arrays, both invisible to the cycle
-        collector through their capsules) is still collected."""
-        return self._live_buffer()
-
-    def _live_buffer(self) -> _VirtualBuffer:
-        buffer = self._buffer
-        if buffer is None or buffer.freed:
-            raise RuntimeError("the ExtensibleTensor has been freed")
-        return buffer
+    __reduce_ex__ = __copy__ = __deepcopy__ = _refuse_copy
 
     # -- properties -----------------------------------------------------------------
     @property
@@ -873,12 +480,13 @@ class ExtensibleTensor(SegmentedReservation):
 
     @property
     def capacity_bytes(self) -> int:
-        """Reserved bytes (``max_num_bytes`` rounded up to the granule)."""
-        return self._buffer.reserved_size  # type: ignore[union-attr]
+        """Reserved bytes: the segments (with their alignment gaps, none when capacities are
+        multiples of 256) rounded up to the granule."""
+        return self._capacity_bytes
 
     @property
     def physical_bytes(self) -> int:
-        """Physically mapped bytes, including granule rounding."""
+        """Physically mapped bytes, including granule rounding (0 once freed)."""
         return 0 if self._buffer is None else self._buffer.physical_bytes
 
     @property
@@ -894,9 +502,7 @@ class ExtensibleTensor(SegmentedReservation):
             raise ValueError(f"expected {self.num_segments} sizes, got {len(checked)}")
         for i, (size, capacity) in enumerate(zip(checked, self._segment_capacities)):
             if size > capacity:
-                raise ValueError(
-                    f"sizes[{i}] = {size} exceeds the segment capacity {capacity}"
-                )
+                raise ValueError(f"sizes[{i}] = {size} exceeds the segment capacity {capacity}")
         buffer = self._live_buffer()
         return [
             buffer.chunk_containing(offset, size)
@@ -923,36 +529,12 @@ class ExtensibleTensor(SegmentedReservation):
         before it stay remapped. Peak extra memory is one segment's committed size.
         """
         buffer = self._live_buffer()
-        granularity = buffer.granularity
-        spans: list[tuple[int, int, int]] = []  # (segment, first, last)
-        for i, (offset, size) in enumerate(zip(self._segment_offsets, self._committed)):
-            if size == 0:
-                continue
-            first = offset // granularity * granularity
-            last = _round_up(offset + size, granularity)
-            if spans and spans[-1][2] > first:
-                previous = spans[-1][0]
-                raise ValueError(
-                    f"cannot defragment: segments {previous} and {i} share the granule at "
-                    f"byte offset {first} (granularity {granularity}), so they cannot be "
-                    "one chunk each; segment boundaries must be granule multiples"
-                )
-            spans.append((i, first, last))
-        for i, first, last in spans:  # validate every span before changing anything
-            try:
-                buffer.chunks_tiling(first, last)
-            except ValueError as error:
-                raise ValueError(f"cannot defragment segment {i}: {error}") from None
-        remapped = []
-        for i, first, last in spans:
-            if buffer.defragment_span(first, last):
-                remapped.append(i)
-        return remapped
+        return defragment_segments(buffer, self._segment_offsets, self._committed)
 
     @property
     def granularity(self) -> int:
         """Commit granule in bytes (see :func:`granule_size`)."""
-        return self._buffer.granularity  # type: ignore[union-attr]
+        return self._granularity
 
     @property
     def base_ptr(self) -> int:

@@ -1,14 +1,21 @@
 """Sharded JAX arrays over jaxbuf memory: one :class:`~jaxbuf.ExtensibleTensor` per device.
 
 :func:`sharded_jax_array` assembles one ``jax.Array`` with a ``NamedSharding`` from one buffer
-per mesh device, zero-copy: every shard is the committed prefix of one segment of one
-buffer, imported through DLPack, and ``jax.make_array_from_single_device_arrays`` stitches
-them together. After growing the buffers (their base pointers never move), call it again for
-a larger view; the bytes already written are still there.
+per *addressable* mesh device, zero-copy: every shard is the committed prefix of one segment
+of one buffer, imported through DLPack, and ``jax.make_array_from_single_device_arrays``
+stitches them together. After growing the buffers (their base pointers never move), call it
+again for a larger view; the bytes already written are still there.
+
+Beyond one host (``jax.distributed``): each process passes the buffers of its own devices
+only, and every process calls :func:`sharded_jax_array` with the same mesh, spec, dtype and
+shard shape (as with any multi-process JAX computation); the result is one global array whose
+jitted computations run XLA's collectives across processes (NCCL on GPUs; gloo on the CPU,
+JAX's default since 0.5.1). ``tests/test_sharding_distributed.py`` runs it with two processes.
 
 JAX arrays cannot keep the buffers alive: keep every buffer alive and unfreed while the array
 (or anything computed lazily from it) is in use. As with any JAX array over mutable memory,
-make a new array after writing to the buffers through another framework.
+make a new array after writing to the buffers through another framework (its import is
+ordered after the buffers' ready events; see :mod:`jaxbuf.interop.jax`).
 
 The JAX calls go through the JAX adapter (:class:`jaxbuf.interop.jax.JaxAdapter`); this module
 imports no framework.
@@ -136,13 +143,16 @@ def sharded_jax_array(
     *,
     segment: int = 0,
 ) -> Any:
-    """One ``jax.Array`` sharded as ``NamedSharding(mesh, spec)`` over one buffer per device.
+    """One ``jax.Array`` sharded as ``NamedSharding(mesh, spec)`` over one buffer per device
+    this process addresses.
 
     Parameters
     ----------
     buffers : sequence of ExtensibleTensor
-        ``buffers[i]`` backs the shard on ``mesh.devices.flat[i]`` and must live on that
-        device (CPU buffers: any JAX CPU device).
+        One per mesh device of this process, in the mesh's order: ``buffers[i]`` backs the
+        shard on the i-th device of ``mesh.devices.flat`` whose ``process_index`` is this
+        process's, and must live on that device (CPU buffers: any JAX CPU device). In one
+        process that is every mesh device; under ``jax.distributed``, only the local ones.
     mesh : jax.sharding.Mesh
     spec : jax.sharding.PartitionSpec (or a tuple of its entries)
     dtype : any dtype jaxbuf accepts
@@ -154,8 +164,8 @@ def sharded_jax_array(
         must hold at least ``prod(shard_shape) * itemsize`` bytes.
 
     Replicated mesh axes (not named in ``spec``) give several devices the same shard:
-    their buffers must then hold the same values. All validation happens before any
-    framework array is made; errors name the offending buffer.
+    their buffers must then hold the same values, in every process. All validation happens
+    before any framework array is made; errors name the offending buffer.
     """
     from jaxbuf.extensible import ExtensibleTensor
 
@@ -172,10 +182,16 @@ def sharded_jax_array(
     if isinstance(buffers, (str, bytes)) or not isinstance(buffers, Iterable):
         raise TypeError(f"buffers must be a sequence of ExtensibleTensor, got {buffers!r}")
     buffers = list(buffers)
-    devices = list(mesh.devices.flat)
+    devices, total = jax.addressable_mesh_devices(mesh)
+    if not devices:
+        raise ValueError(
+            f"this process addresses none of the mesh's {total} devices ({mesh.devices}): "
+            "its buffers cannot back any shard"
+        )
     if len(buffers) != len(devices):
         raise ValueError(
-            f"expected one buffer per mesh device ({len(devices)}), got {len(buffers)}"
+            f"expected one buffer per mesh device this process addresses ({len(devices)} of "
+            f"{total}), got {len(buffers)}"
         )
     global_shape = global_shape_of(mesh, spec, shard_shape)
     if tuple(sharding.shard_shape(global_shape)) != shard_shape:
@@ -195,7 +211,8 @@ def sharded_jax_array(
             expected.is_cuda and actual.index != expected.index
         ):
             raise ValueError(
-                f"buffers[{i}] lives on {actual} but mesh device {i} is {jax_device} ({expected})"
+                f"buffers[{i}] lives on {actual} but this process's mesh device {i} is "
+                f"{jax_device} ({expected})"
             )
         if (
             isinstance(segment, bool)

@@ -2,9 +2,10 @@
 
 A view is a pointer, a size, a dtype, a shape, a device and the owner that keeps the memory
 alive. It holds no memory itself: the owner (an ``ExtensibleTensor``, a ``UvaBuffer``, ...)
-does, and every framework array made from a view aliases the owner's memory. Keep the owner
-alive (and unfreed) while such arrays are in use; ``to_numpy`` and ``to_torch`` tie the owner's
-lifetime to the array they return, JAX arrays cannot carry such a reference.
+does, and every framework array made from a view aliases the owner's memory. Every export (a
+DLPack capsule, and so every numpy, torch or JAX array made from the view) holds the owner's
+``export_anchor``, which keeps the memory alive until the array is gone, also after the owner
+is freed; a view of a freed owner exports nothing (the owner's ``RuntimeError``).
 
 The owner is reached only through the owner contract (:class:`jaxbuf._owner.MemoryOwner`:
 ``ready_event``, ``driver``, ``check_exportable``, ``export_anchor``). ``to_torch`` and
@@ -21,6 +22,7 @@ import numpy as np
 
 from . import _dlpack, interop
 from ._checks import as_int, as_shape
+from ._reservation import committed_buffer
 from .devices import Device
 from .drivers.base import K_DL_CPU, K_DL_CUDA, K_DL_CUDA_HOST, K_DL_ROCM, K_DL_ROCM_HOST
 from .dtypes import DType, canonical_dtype, uint8
@@ -80,11 +82,8 @@ def _copy_capsule(view: BufferView, device_type: int, device_id: int, versioned:
         if device_type == K_DL_CPU:
             anchor_target = np.empty(nbytes, np.uint8)
             data = anchor_target.ctypes.data
-        else:  # the view's device: memory jaxbuf allocates, as for any buffer
-            from .extensible import ExtensibleTensor
-
-            anchor_target = ExtensibleTensor(nbytes, device=view.device, driver=driver)
-            anchor_target.resize_segments_([nbytes])
+        else:  # the view's device, through the driver (views import no buffer module)
+            anchor_target = committed_buffer(driver, nbytes, index, "DLPack copy")
             data = anchor_target.base_ptr
         # On the producer stream, so after the owner's pending writes; waited for, so any
         # consumer stream (and the host) sees the finished copy.
@@ -318,8 +317,14 @@ class BufferView:
         return adapter.from_view(target)
 
     def to_jax(self, dtype: Any = None, shape: Any = None):
-        """A JAX array over the same bytes, zero-copy, through the JAX adapter
-        (``jax.dlpack.from_dlpack``)."""
+        """A JAX array over the same bytes (as ``dtype`` / ``shape`` when given), zero-copy,
+        through the JAX adapter (:meth:`jaxbuf.interop.jax.JaxAdapter.from_view`:
+        ``jax.dlpack.from_dlpack(..., copy=False)``); the array keeps the owner's memory alive.
+
+        Never a silent copy: ``BufferError`` where JAX would copy, naming why (a host view not
+        64-byte aligned, a 64-bit dtype without ``jax_enable_x64``). Segment views of an
+        ``ExtensibleTensor`` are always aligned.
+        """
         target = self if dtype is None and shape is None else self.view(dtype, shape)
         adapter = _adapters.get("jax") or _adapter("jax")
         return adapter.from_view(target)

@@ -18,6 +18,7 @@ from .reference import (
     make_group_table,
     make_write_table,
     pack_contents,
+    resolve_later_wins,
     row_segments,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "make_group_table",
     "make_write_table",
     "pack_contents",
+    "resolve_later_wins",
     "row_segments",
 ]
 

@@ -1,11 +1,17 @@
 """The JAX launcher of the staged writes: row writes applied to one 2-D array inside ``jit``.
 
-The host packs a step's writes with :func:`pack_writes` into a :class:`PackedWrites` whose shapes
-are bucketed (write count and content length rounded up to powers of two, at least 16), so a
-steady decode loop reuses one compiled step. Inside ``jit``, :func:`apply_staged_writes` applies
-them with a Pallas kernel that aliases the array to its output (a donated array is updated in
-place) or with an XLA scatter. Overlapping writes are resolved on the host, later writes winning,
-so both paths see disjoint writes and their result does not depend on execution order.
+The host stages a step's writes in a :class:`StagedWrites` (the C stager that
+:class:`jaxbuf.staged.StagedWriteTensor` uses: no Python loop per write) and packs them into a
+:class:`PackedWrites` whose shapes are bucketed (write count and content length rounded up to
+powers of two, at least 16), so a steady decode loop reuses one compiled step;
+:func:`pack_writes` does both for one batch of lists. Inside ``jit``, :func:`apply_staged_writes` applies
+them on a GPU with the Triton staged-write kernel through ``jax_triton``
+(:mod:`jaxbuf.kernels.jax_triton_apply`), which aliases the array to its output (a donated array
+is updated in place), and elsewhere with an XLA scatter (the deprecated Pallas-Triton kernel is
+kept as ``method="pallas"``). Overlapping writes are resolved on the host as the torch side
+resolves them (the stager's row index, later writes winning, the earlier ones trimmed to their
+visible pieces), so every path sees disjoint writes and its result does not depend on execution
+order.
 
 This is the JAX counterpart of :mod:`jaxbuf.kernels.staged_write` (the Triton launcher), and
 like it a launcher that imports its framework (JAX, lazily, inside the functions that trace).
@@ -19,12 +25,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxbuf._checks import as_count, as_int
+from jaxbuf._staging_host import StagingState, convert, pack_record
 from jaxbuf.dtypes import canonical_dtype
 
-from .reference import has_overlap
+from .reference import resolve_later_wins
 
 __all__ = [
     "PackedWrites",
+    "StagedWrites",
     "pack_writes",
     "apply_staged_writes",
     "bucket_size",
@@ -61,33 +70,291 @@ def bucket_size(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
-def _resolve_overlap(rows, starts, lengths, values):
-    """Rewrite overlapping writes as disjoint runs; for each element the last write wins."""
-    total = values.shape[0]
-    write_of_element = np.repeat(np.arange(rows.shape[0]), lengths)
-    flat_rows = rows[write_of_element]
-    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    flat_cols = starts[write_of_element] + np.arange(total) - offsets[write_of_element]
-    key = flat_rows * (int(flat_cols.max()) + 1) + flat_cols
-    # np.unique returns the first occurrence; on the reversed keys that is the last write.
-    _, first_in_reversed = np.unique(key[::-1], return_index=True)
-    keep = np.sort(total - 1 - first_in_reversed)
-    flat_rows, flat_cols, values = flat_rows[keep], flat_cols[keep], values[keep]
-    # A new run starts wherever the row changes or the column is not the previous one plus one.
-    breaks = np.ones(keep.shape[0], dtype=bool)
-    breaks[1:] = (flat_rows[1:] != flat_rows[:-1]) | (flat_cols[1:] != flat_cols[:-1] + 1)
-    run_starts = np.flatnonzero(breaks)
-    run_lengths = np.diff(np.append(run_starts, keep.shape[0]))
-    return flat_rows[run_starts], flat_cols[run_starts], run_lengths, values
+class StagedWrites:
+    """Row writes for one 2-D JAX array, staged on the host at C speed; :meth:`pack` makes the
+    :class:`PackedWrites` that the jitted :func:`apply_staged_writes` takes.
+
+    The JAX counterpart of :class:`jaxbuf.staged.StagedWriteTensor`'s staging, on the same C
+    stager (``jaxbuf._staging``): :meth:`stage_write` of a numpy array of the target dtype is one
+    C call, and :meth:`stage_writes` stages a whole batch with no Python loop per write (the
+    values concatenated by numpy, staged by C). As writes are staged the stager indexes them by
+    row, and :meth:`pack` resolves overlaps from that index, later writes winning, without
+    sorting: overlapping writes come out as their visible pieces, so the packed writes are
+    pairwise disjoint and every apply method's result is the in-order result.
+
+    Invariants: staged writes are in bounds (``0 <= row < num_rows``, ``start >= 0``,
+    ``start + len(values) <= row_len``) and converted to ``dtype``; a rejected write raises
+    (ValueError / TypeError / IndexError, naming it) and stages nothing, and a rejected batch
+    stages none of its writes. Without the C extension the same happens in numpy and Python,
+    slower.
+
+    Not thread-safe: one thread stages and packs an object.
+
+    Parameters
+    ----------
+    num_rows, row_len : int
+        The target array's shape; each below ``2**31 - 1`` (the packed indices are int32).
+    dtype : numpy, JAX or str dtype
+        The target array's dtype. Values are converted to it as
+        :meth:`jaxbuf.staged.StagedWriteTensor.stage_write` converts them: integers must fit,
+        floats may round but not overflow.
+    min_write_bucket, min_content_bucket : int
+        Floors of :meth:`pack`'s buckets; raising them to a loop's largest step keeps every
+        step on one compiled shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from jaxbuf.kernels.jax_staged import StagedWrites
+    >>> staged = StagedWrites(4, 8, "int32")
+    >>> staged.stage_writes([0, 0, 3], [0, 2, 4], [np.arange(4, dtype=np.int32)] * 3)
+    >>> packed = staged.pack()  # the later write at (0, 2) hides half of the first one
+    >>> packed.starts[:4].tolist(), packed.lengths[:4].tolist(), packed.values[:10].tolist()
+    ([0, 2, 4, 0], [2, 4, 4, 0], [0, 1, 0, 1, 2, 3, 0, 1, 2, 3])
+    """
+
+    __slots__ = (
+        "num_rows",
+        "row_len",
+        "dtype",
+        "min_write_bucket",
+        "min_content_bucket",
+        "_np_dtype",
+        "_staging",
+        "_stage_fast",
+        "_shape_known",
+    )
+
+    def __init__(
+        self,
+        num_rows: int,
+        row_len: int,
+        dtype: Any,
+        *,
+        min_write_bucket: int = MIN_BUCKET,
+        min_content_bucket: int = MIN_BUCKET,
+    ) -> None:
+        num_rows, row_len = as_int(num_rows, "num_rows"), as_int(row_len, "row_len")
+        for name, value in (("num_rows", num_rows), ("row_len", row_len)):
+            if not 0 <= value <= _DROPPED_INDEX:
+                raise ValueError(f"{name} must be in [0, 2**31 - 1], got {value}")
+        self.min_write_bucket = as_count(min_write_bucket, "min_write_bucket")
+        self.min_content_bucket = as_count(min_content_bucket, "min_content_bucket")
+        self.dtype = canonical_dtype(dtype)
+        self._np_dtype = self.dtype.numpy
+        self.num_rows, self.row_len = num_rows, row_len
+        self._staging = StagingState(num_rows, row_len, self._np_dtype)
+        stager = self._staging.stager
+        self._stage_fast = None if stager is None else stager.stage
+        self._shape_known = True  # False: pack_writes without a shape (bounds are int32's)
+
+    @property
+    def num_staged_writes(self) -> int:
+        """Writes staged since the last :meth:`pack` / :meth:`clear` (empty ones excluded)."""
+        return self._staging.num_writes
+
+    def clear(self) -> None:
+        """Drop every staged write."""
+        self._staging.clear()
+
+    # -- staging -----------------------------------------------------------------------------
+    def stage_write(self, row: int, start: int, values: Any) -> None:
+        """Stage ``array[row, start:start + len(values)] = values``.
+
+        ``values``: a 1-D numpy array (of the target dtype: one C call), list, tuple, range,
+        torch tensor or JAX array, converted under the rules of the class docstring. An empty
+        ``values`` stages nothing.
+        """
+        fast = self._stage_fast
+        if fast is not None and fast(row, start, values):
+            return  # staged by C: exact ints, a contiguous 1-D buffer of the dtype, in bounds
+        values = self._convert(values)
+        row, start = as_int(row, "row"), as_int(start, "start")
+        length = values.shape[0]
+        if row < 0 or row >= self.num_rows or start < 0 or start + length > self.row_len:
+            raise self._bounds_error(row, start, length)
+        if length:
+            staging = self._staging
+            staging.contents.extend(values.view(np.uint8))
+            staging.records.extend(pack_record(0, row, start, 0, length))
+
+    def stage_writes(self, rows: Any, starts: Any, values_list: Any) -> None:
+        """Stage ``array[rows[i], starts[i]:starts[i] + len(values_list[i])] = values_list[i]``
+        for every ``i``, in order (where two overlap, the later wins), all or nothing.
+
+        ``rows`` and ``starts``: sequences or arrays of integers. ``values_list``: a sequence of
+        1-D values (numpy arrays, lists, JAX arrays, ...) or one 2-D numpy array (one write per
+        row). The common cases take no Python loop per write: the values are concatenated by
+        numpy, converted at once, and the writes checked and staged by one C call.
+        """
+        rows, starts = _as_indices(rows, "rows"), _as_indices(starts, "starts")
+        count = len(values_list) if hasattr(values_list, "__len__") else -1
+        if not rows.shape[0] == starts.shape[0] == count:
+            given = "an unsized iterable" if count < 0 else count
+            raise ValueError(
+                f"got {rows.shape[0]} rows, {starts.shape[0]} starts and {given} values"
+            )
+        if not count:
+            return
+        flat, lengths = self._flatten(values_list, count)
+        stager = self._staging.stager
+        if stager is not None:
+            bad = stager.stage_columns(rows, starts, lengths, flat.view(np.uint8))
+        else:
+            bad = self._stage_columns_numpy(rows, starts, lengths, flat)
+        if bad >= 0:
+            raise self._bounds_error(int(rows[bad]), int(starts[bad]), int(lengths[bad]), bad)
+
+    def _stage_columns_numpy(
+        self, rows: np.ndarray, starts: np.ndarray, lengths: np.ndarray, flat: np.ndarray
+    ) -> int:
+        """``Stager.stage_columns`` without the extension: -1, or the first bad write."""
+        bad = (rows < 0) | (rows >= self.num_rows) | (starts < 0)
+        bad |= starts > self.row_len - lengths
+        if bad.any():
+            return int(np.flatnonzero(bad)[0])
+        nonempty = lengths > 0
+        zeros = np.zeros(int(nonempty.sum()), np.int64)
+        records = np.stack([zeros, rows[nonempty], starts[nonempty], zeros, lengths[nonempty]], 1)
+        self._staging.contents.extend(flat.view(np.uint8))
+        self._staging.records.extend(records.tobytes())
+        return -1
+
+    def _convert(self, values: Any) -> np.ndarray:
+        """``values`` as a C-contiguous 1-D array of the target dtype (or the error why not)."""
+        dtype = self._np_dtype
+        if dtype.kind in "iuf" or dtype.name == "bfloat16":
+            return convert(values, dtype, self.dtype.name)
+        # Other dtypes (bool, complex): numpy's conversion, refused where it changes a value.
+        source = np.asarray(values).reshape(-1) if np.ndim(values) <= 1 else np.asarray(values)
+        if source.ndim != 1:
+            raise ValueError(f"values must be 1-D, got shape {source.shape}")
+        converted = np.ascontiguousarray(source.astype(dtype))
+        if not np.array_equal(converted, source):
+            raise ValueError(f"values do not fit {dtype} exactly")
+        return converted
+
+    def _flatten(self, values_list: Any, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every write's values back to back, converted, and their lengths (int64).
+
+        One numpy concatenation and one conversion when numpy's promotion of the inputs to a
+        common dtype loses nothing (then converting the whole equals converting each); else,
+        and to name the write a conversion refuses, one write at a time."""
+        if isinstance(values_list, np.ndarray) and values_list.ndim == 2:
+            lengths = np.full(count, values_list.shape[1], np.int64)
+            try:
+                return self._convert(values_list.reshape(-1)), lengths
+            except (TypeError, ValueError):
+                pass  # name the write below
+        else:
+            try:
+                lengths = np.fromiter(map(len, values_list), np.int64, count)
+                flat = np.concatenate(values_list)
+            except (TypeError, ValueError):  # unsized items, scalars, mixed dimensions, ...
+                flat = None
+            if (
+                flat is not None
+                and flat.ndim == 1
+                and flat.shape[0] == lengths.sum()
+                and self._promotion_lost_nothing(flat)
+            ):
+                try:
+                    return self._convert(flat), lengths
+                except (TypeError, ValueError):
+                    pass  # name the write below
+        arrays = []
+        for i, values in enumerate(values_list):
+            try:
+                arrays.append(self._convert(values))
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"write {i}: {error}") from None
+        lengths = np.fromiter((a.shape[0] for a in arrays), np.int64, count)
+        return np.concatenate(arrays), lengths
+
+    def _promotion_lost_nothing(self, flat: np.ndarray) -> bool:
+        """Whether ``flat``, numpy's concatenation of the inputs, holds their values exactly
+        enough that one conversion of it equals the conversions of each input."""
+        kind = flat.dtype.kind
+        if flat.dtype == self._np_dtype or kind in "iub":
+            return True  # integer promotion is exact; promotion to the target is what each does
+        if kind == "f" or flat.dtype.name == "bfloat16":
+            target = self._np_dtype
+            if target.kind == "f" or target.name == "bfloat16":
+                return True  # each input rounds to the target anyway
+            # An integer target: integers promoted to float64 are exact below 2**53.
+            with np.errstate(invalid="ignore"):
+                return bool(np.all(np.abs(flat.astype(np.float64)) < 2.0**53))
+        return False
+
+    def _bounds_error(self, row: int, start: int, length: int, index: int | None = None):
+        where = "" if index is None else f"write {index} "
+        described = f"{where}(row {row}, start {start}, length {length})"
+        if row < 0 or start < 0:
+            return IndexError(f"negative row or start: {described}")
+        if not self._shape_known:
+            return ValueError(f"{described} exceeds the int32 index range")
+        return IndexError(
+            f"{described} is out of bounds for shape ({self.num_rows}, {self.row_len})"
+        )
+
+    # -- packing -----------------------------------------------------------------------------
+    def pack(self, *, clear: bool = True) -> PackedWrites:
+        """The staged writes, resolved (later wins) and padded to buckets, as
+        :class:`PackedWrites`; then, unless ``clear=False``, nothing is staged any more."""
+        staging = self._staging
+        stager = staging.stager
+        if stager is not None:
+            num_writes, total = stager.resolve()
+        else:
+            table = _resolved_table(staging)
+            num_writes, total = table.shape[0], int(table[:, 4].sum())
+        write_bucket = bucket_size(num_writes, self.min_write_bucket)
+        content_bucket = bucket_size(total, self.min_content_bucket) + PALLAS_BLOCK_SIZE
+        if content_bucket >= _DROPPED_INDEX:
+            raise ValueError(f"{total} staged elements exceed the int32 index range")
+        rows = np.zeros(write_bucket, np.int32)
+        starts = np.zeros(write_bucket, np.int32)
+        lengths = np.zeros(write_bucket, np.int32)
+        offsets = np.full(write_bucket, total, np.int32)
+        values = np.zeros(content_bucket, self._np_dtype)
+        if stager is not None:
+            stager.write_columns(rows, starts, lengths, offsets, values.view(np.uint8))
+        else:
+            _write_columns_numpy(staging, table, rows, starts, lengths, offsets, values)
+        if clear:
+            staging.clear()
+        return PackedWrites(rows, starts, lengths, offsets, values)
+
+
+def _resolved_table(staging: StagingState) -> np.ndarray:
+    """Without the C extension: the staged writes as a write table (content offsets in
+    elements), resolved by :func:`~jaxbuf.kernels.resolve_later_wins`."""
+    table = np.frombuffer(staging.records, np.int64).reshape(-1, 5).copy()
+    table[:, 3] = np.cumsum(table[:, 4]) - table[:, 4]
+    return resolve_later_wins(table)
+
+
+def _write_columns_numpy(staging, table, rows, starts, lengths, offsets, values) -> None:
+    """``Stager.write_columns`` without the extension: visible values back to back."""
+    n = table.shape[0]
+    staged = np.frombuffer(staging.contents, values.dtype).copy()
+    rows[:n], starts[:n], lengths[:n] = table[:, 1], table[:, 2], table[:, 4]
+    packed_offsets = np.cumsum(table[:, 4]) - table[:, 4]
+    offsets[:n] = packed_offsets
+    total = int(table[:, 4].sum())
+    source = np.repeat(table[:, 3] - packed_offsets, table[:, 4]) + np.arange(total)
+    values[:total] = staged[source]
 
 
 def _as_indices(values: Any, name: str) -> np.ndarray:
-    """``values`` as a flat int64 array; TypeError naming them unless every entry is an int
-    (a float row would otherwise be truncated silently)."""
+    """``values`` as a flat C-contiguous int64 array; TypeError naming them unless every entry
+    is an int (a float row would otherwise be truncated silently)."""
     array = np.asarray(values).reshape(-1)
     if array.size and array.dtype.kind not in "iu":
         raise TypeError(f"{name} must be integers, got {values!r}")
-    return array.astype(np.int64)
+    if array.dtype.kind == "u" and array.size and array.max() > np.iinfo(np.int64).max:
+        raise IndexError(f"{name} out of range: {values!r}")
+    return np.ascontiguousarray(array, np.int64)
 
 
 def pack_writes(
@@ -100,73 +367,30 @@ def pack_writes(
     min_write_bucket: int = MIN_BUCKET,
     min_content_bucket: int = MIN_BUCKET,
 ) -> PackedWrites:
-    """Pack row writes (numpy, on the host) for :func:`apply_staged_writes`.
+    """Pack row writes for :func:`apply_staged_writes`: a :class:`StagedWrites` of one batch.
 
     ``values_list[i]`` (anything numpy converts) goes to ``array[rows[i], starts[i]:...]``.
     Values are converted to ``dtype``; a conversion that changes a value raises ValueError.
-    With ``shape`` every write is bounds-checked; without it, out-of-range elements are dropped
-    at apply time. Where writes overlap, the later one wins. Raising the ``min_*_bucket`` floors
-    to a loop's largest step keeps every step on one compiled shape.
+    With ``shape`` every write is bounds-checked (IndexError); without it, out-of-range elements
+    are dropped at apply time (ValueError past the int32 index range). Where writes overlap, the
+    later one wins. Raising the ``min_*_bucket`` floors to a loop's largest step keeps every
+    step on one compiled shape. A loop that stages as it goes saves the batch's lists by using
+    :class:`StagedWrites` directly.
     """
-    np_dtype = canonical_dtype(dtype).numpy
-    rows, starts = _as_indices(rows, "rows"), _as_indices(starts, "starts")
-    if not rows.shape[0] == starts.shape[0] == len(values_list):
-        raise ValueError(
-            f"got {rows.shape[0]} rows, {starts.shape[0]} starts and {len(values_list)} values"
-        )
-    arrays = []
-    for i, value in enumerate(values_list):
-        source = np.asarray(value).reshape(-1)
-        converted = source.astype(np_dtype)
-        # Floats may round; an integer target must hold every value exactly (no wrap-around,
-        # no dropped fraction).
-        if np_dtype.kind in "iub" and not np.array_equal(converted, source):
-            raise ValueError(f"write {i}: values do not fit {np_dtype} exactly")
-        arrays.append(converted)
-    lengths = np.array([a.shape[0] for a in arrays], dtype=np.int64)
-    if (rows < 0).any() or (starts < 0).any():
-        raise IndexError(f"negative row or start in rows {rows} / starts {starts}")
-    if shape is not None:
-        bad = (rows >= shape[0]) | (starts + lengths > shape[1])
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise IndexError(
-                f"write {i} (row {rows[i]}, start {starts[i]}, length {lengths[i]}) "
-                f"is out of bounds for shape {tuple(shape)}"
-            )
-    values = np.concatenate(arrays) if arrays else np.zeros(0, np_dtype)
-    nonempty = lengths > 0
-    rows, starts, lengths = rows[nonempty], starts[nonempty], lengths[nonempty]
-    if has_overlap(np.zeros_like(rows), rows, starts, lengths):
-        rows, starts, lengths, values = _resolve_overlap(rows, starts, lengths, values)
-    num_writes, total = rows.shape[0], values.shape[0]
-    write_bucket = bucket_size(num_writes, min_write_bucket)
-    content_bucket = bucket_size(total, min_content_bucket) + PALLAS_BLOCK_SIZE
-    if (
-        max(
-            content_bucket,
-            int(starts.max(initial=0)) + int(lengths.max(initial=0)),
-            int(rows.max(initial=0)),
-        )
-        >= _DROPPED_INDEX
-    ):
-        raise ValueError("writes exceed the int32 index range")
-
-    def padded(column, fill):
-        out = np.full(write_bucket, fill, dtype=np.int32)
-        out[:num_writes] = column
-        return out
-
-    offsets = np.cumsum(lengths) - lengths
-    padded_values = np.zeros(content_bucket, dtype=np_dtype)
-    padded_values[:total] = values
-    return PackedWrites(
-        rows=padded(rows, 0),
-        starts=padded(starts, 0),
-        lengths=padded(lengths, 0),
-        offsets=padded(offsets, total),
-        values=padded_values,
+    if shape is None:
+        num_rows = row_len = _DROPPED_INDEX - 1
+    else:
+        num_rows, row_len = (as_int(d, "shape") for d in shape)
+    staged = StagedWrites(
+        num_rows,
+        row_len,
+        dtype,
+        min_write_bucket=min_write_bucket,
+        min_content_bucket=min_content_bucket,
     )
+    staged._shape_known = shape is not None
+    staged.stage_writes(rows, starts, values_list)
+    return staged.pack()
 
 
 def _pallas_kernel(rows_ref, starts_ref, lengths_ref, offsets_ref, values_ref, array_ref, out_ref):
@@ -232,25 +456,85 @@ def _apply_scatter(array, packed: PackedWrites):
     return array.at[flat_rows, flat_cols].set(packed.values, mode="drop")
 
 
+#: The ``method`` values of :func:`apply_staged_writes`.
+METHODS = ("triton", "scatter", "pallas")
+
+
+def _platform(array) -> str:
+    """``"gpu"`` (CUDA or ROCm) or JAX's platform name for where ``array`` lives; while
+    tracing, the default backend's (``jit`` compiles for it unless its arguments are
+    committed elsewhere)."""
+    import jax
+
+    if isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer):
+        platform = next(iter(array.devices())).platform
+    else:
+        platform = jax.default_backend()
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def _triton_unavailable_reason() -> str | None:
+    """Why ``method="triton"`` cannot run in this process (None when it can)."""
+    try:
+        from .jax_triton_apply import jax_triton_unavailable_reason
+    except ImportError as error:
+        if not (getattr(error, "name", None) or "").startswith("triton"):
+            raise
+        return f"Triton is not installed ({error})"
+    return jax_triton_unavailable_reason()
+
+
 def apply_staged_writes(
-    array, packed: PackedWrites, *, method: str = "pallas", interpret: bool | None = None
+    array, packed: PackedWrites, *, method: str | None = None, interpret: bool | None = None
 ):
     """Return ``array`` with ``packed``'s writes applied; jit-able, traced once per bucket.
 
-    ``method="pallas"`` aliases ``array`` to the result (in place when the caller donates it);
-    ``interpret`` defaults to True except on a GPU backend, where the Triton lowering is used.
-    ``method="scatter"`` uses ``array.at[rows, cols].set(..., mode="drop")``.
+    ``method``:
+
+    * ``"triton"``: the Triton staged-write kernel through ``jax_triton``
+      (:mod:`jaxbuf.kernels.jax_triton_apply`), GPU only. ``array`` is aliased to the
+      result, so a donated array is updated in place.
+    * ``"scatter"``: ``array.at[rows, cols].set(..., mode="drop")``, an XLA scatter; every
+      platform (the CPU's path).
+    * ``"pallas"``: the Pallas kernel on Pallas's Triton backend, which JAX 0.11 deprecates;
+      kept for comparison, never chosen by default. ``interpret`` defaults to True except on
+      a GPU backend.
+    * ``None`` (default): ``"triton"`` on a GPU where ``jax_triton`` runs, else ``"scatter"``.
+
+    Raises ValueError for an unknown method, ``"triton"`` off the GPU or with ``interpret``,
+    and ImportError naming what is missing when ``"triton"`` cannot run here.
     """
     import jax
 
+    if method is not None and method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS} or None, got {method!r}")
     if array.ndim != 2:
         raise ValueError(f"array must be 2-D, got shape {tuple(array.shape)}")
     if packed.values.dtype != array.dtype:
         raise TypeError(f"packed values are {packed.values.dtype}, array is {array.dtype}")
+    if method is None:
+        on_gpu = _platform(array) == "gpu"
+        method = "triton" if on_gpu and _triton_unavailable_reason() is None else "scatter"
     if method == "scatter":
         return _apply_scatter(array, packed)
-    if method != "pallas":
-        raise ValueError(f"method must be 'pallas' or 'scatter', got {method!r}")
+    if method == "triton":
+        if interpret:
+            raise ValueError(
+                "method='triton' has no interpreter; use method='scatter' (or "
+                "'pallas' with interpret=True)"
+            )
+        platform = _platform(array)
+        if platform != "gpu":
+            raise ValueError(
+                f"method='triton' runs on a GPU, but the array is on {platform}; "
+                "use method='scatter' (the default there)"
+            )
+        reason = _triton_unavailable_reason()
+        if reason is not None:
+            raise ImportError(f"apply_staged_writes(method='triton') is unavailable: {reason}")
+        from .jax_triton_apply import apply_packed_writes
+
+        return apply_packed_writes(array, packed)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     return _apply_pallas(array, packed, interpret)

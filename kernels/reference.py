@@ -5,10 +5,14 @@ The table format is the one :mod:`jaxbuf.kernels.staged_write` documents: an int
 in elements) and an int64 group table ``[G, 3]`` (``out_ptr, row_stride, elem_size``).
 :func:`apply_staged_writes_numpy` applies them one write after another through raw addresses, so
 later writes always win; it is the test oracle and the explicit fallback when Triton is missing.
+:func:`resolve_later_wins` rewrites a table so that no two writes overlap (later wins): the
+Python form of what the C stager (``jaxbuf/_staging.c``) does as writes are staged, used where
+that extension is missing.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 from typing import Any, Sequence
 
@@ -22,6 +26,7 @@ __all__ = [
     "make_group_table",
     "pack_contents",
     "has_overlap",
+    "resolve_later_wins",
     "address_of",
     "apply_staged_writes_numpy",
     "row_segments",
@@ -109,6 +114,78 @@ def has_overlap(groups, rows, starts, lengths) -> bool:
                                   starts[order] + lengths[order])
     same_row = (groups[1:] == groups[:-1]) & (rows[1:] == rows[:-1])
     return bool(np.any(same_row & (ends[:-1] > starts[1:])))
+
+
+def resolve_later_wins(write_table: np.ndarray, elem_sizes: Any = None) -> np.ndarray:
+    """An equivalent write table in which no two writes overlap: where writes overlap, the
+    later one (in table order) wins.
+
+    A write that later writes hide entirely is dropped; one they hide in part is replaced by
+    its visible pieces, in place and in start order, each an ordinary entry (same group and
+    row, its own start and length, ``content_offset`` moved by ``(piece start - start) *
+    elem_size``). Other writes are kept as they are, in order. ``elem_sizes[group]`` is the
+    element size in bytes of each group (default 1: offsets counted in elements). Applying the
+    result in any order equals applying ``write_table`` in order. Returns ``write_table``
+    itself when no row is written twice.
+
+    The Python form of the C stager's resolution (``jaxbuf/_staging.c``): rows written once
+    cost a sort, each repeated row's writes a walk from the newest, keeping the covered
+    intervals. A fallback; the hot paths run the C one.
+    """
+    table = np.asarray(write_table)
+    if table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != 5:
+        raise ValueError(f"write_table must be int64 [W, 5], got {table.dtype} "
+                         f"{list(table.shape)}")
+    if table.shape[0] < 2:
+        return table
+    order = np.lexsort((table[:, 1], table[:, 0]))  # stable: each row's writes stay in order
+    keys = table[order, :2]
+    same_as_next = np.all(keys[1:] == keys[:-1], axis=1)
+    if not same_as_next.any():
+        return table
+    run_bounds = np.flatnonzero(np.diff(np.concatenate(([False], same_as_next, [False]))))
+    replacements: dict[int, list[tuple[int, int]]] = {}
+    for first, last in zip(run_bounds[0::2].tolist(), run_bounds[1::2].tolist()):
+        covered_starts: list[int] = []  # sorted, disjoint intervals [start, end)
+        covered_ends: list[int] = []
+        for write in reversed(order[first:last + 1].tolist()):  # newest first
+            _, _, start, _, length = table[write].tolist()
+            end = start + length
+            if length <= 0:
+                replacements[write] = []
+                continue
+            lo = bisect.bisect_left(covered_ends, start)  # first interval that may touch it
+            pieces, position, j = [], start, lo
+            while j < len(covered_starts) and covered_starts[j] <= end:
+                if covered_starts[j] > position:
+                    pieces.append((position, covered_starts[j] - position))
+                position = max(position, covered_ends[j])
+                j += 1
+            if position < end:
+                pieces.append((position, end - position))
+            if pieces != [(start, length)]:
+                replacements[write] = pieces
+            merged_start = min(start, covered_starts[lo]) if lo < j else start
+            merged_end = max(end, covered_ends[j - 1]) if lo < j else end
+            covered_starts[lo:j] = [merged_start]
+            covered_ends[lo:j] = [merged_end]
+    if not replacements:
+        return table
+    counts = np.ones(table.shape[0], np.int64)
+    for write, pieces in replacements.items():
+        counts[write] = len(pieces)
+    resolved = np.repeat(table, counts, axis=0)
+    firsts = np.cumsum(counts) - counts
+    sizes = None if elem_sizes is None else np.asarray(elem_sizes, np.int64).reshape(-1)
+    for write, pieces in replacements.items():
+        group, _, start, offset, _ = table[write].tolist()
+        elem_size = 1 if sizes is None else int(sizes[group])
+        for k, (piece_start, piece_length) in enumerate(pieces):
+            entry = resolved[firsts[write] + k]
+            entry[2] = piece_start
+            entry[3] = offset + (piece_start - start) * elem_size
+            entry[4] = piece_length
+    return resolved
 
 
 def address_of(obj: Any) -> int:

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import os
 import threading
+import types
 from typing import Any
 
 import numpy as np
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from .reference import CONTENT_ALIGNMENT, IntsAt, address_of
 
@@ -34,6 +36,27 @@ __all__ = ["CompiledLauncher", "apply_staged_writes", "DEFAULT_BLOCK_SIZE"]
 
 DEFAULT_BLOCK_SIZE = 1024
 _COMPILE_LOCK = threading.Lock()
+
+
+def copy_elements(dst, src, length, BLOCK_SIZE: tl.constexpr):
+    # The body the torch kernel below and the JAX one (jaxbuf.kernels.jax_triton_apply) share:
+    # copy ``length`` elements from typed pointer ``src`` to ``dst`` (same element type), one
+    # masked block at a time; a length <= 0 copies nothing. Triton inlines it into each caller.
+    # `while` rather than `for ... in range(...)`: Triton 3.6's interpreter turns a tensor loop
+    # bound into a Python int through a 1-element array, which NumPy >= 2.3 refuses. The loop
+    # variable starts as a tensor of its final type, as Triton requires of loop-carried values.
+    block_start = length * 0
+    while block_start < length:
+        offsets = block_start + tl.arange(0, BLOCK_SIZE)
+        mask = offsets < length
+        tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
+        block_start += BLOCK_SIZE
+
+
+# A compiled-mode function whatever TRITON_INTERPRET says (``triton.jit`` would make it an
+# InterpretedFunction there, which the compiler refuses inside a compiled kernel); interpreted
+# kernels get an interpreted copy through :func:`interpreted`.
+copy_elements = JITFunction(copy_elements)
 
 
 @triton.jit(do_not_specialize=["write_table_addr", "group_table_addr", "contents_addr",
@@ -83,46 +106,24 @@ def _apply_staged_writes_kernel(
         # Triton 3.6's interpreter cannot bitcast one pointer type to another.
         src_addr = contents_addr + content_offset
         # One branch per element size, each with its own pointer type; names differ per branch
-        # because Triton rejects a name bound to different types in two branches. The block
-        # loop is written out in each branch because the interpreter cannot call a nested
-        # @triton.jit helper from an on-demand interpreted kernel. Writes longer than one block
-        # loop inside the program.
+        # because Triton rejects a name bound to different types in two branches. Writes longer
+        # than one block loop inside the program (copy_elements).
         if elem_size == 8:
             dst64 = out_addr.to(tl.pointer_type(tl.int64)) + element
             src64 = src_addr.to(tl.pointer_type(tl.int64))
-            block_start = length * 0
-            while block_start < length:
-                offsets = block_start + tl.arange(0, BLOCK_SIZE)
-                mask = offsets < length
-                tl.store(dst64 + offsets, tl.load(src64 + offsets, mask=mask), mask=mask)
-                block_start += BLOCK_SIZE
+            copy_elements(dst64, src64, length, BLOCK_SIZE)
         elif elem_size == 4:
             dst32 = out_addr.to(tl.pointer_type(tl.int32)) + element
             src32 = src_addr.to(tl.pointer_type(tl.int32))
-            block_start = length * 0
-            while block_start < length:
-                offsets = block_start + tl.arange(0, BLOCK_SIZE)
-                mask = offsets < length
-                tl.store(dst32 + offsets, tl.load(src32 + offsets, mask=mask), mask=mask)
-                block_start += BLOCK_SIZE
+            copy_elements(dst32, src32, length, BLOCK_SIZE)
         elif elem_size == 2:
             dst16 = out_addr.to(tl.pointer_type(tl.int16)) + element
             src16 = src_addr.to(tl.pointer_type(tl.int16))
-            block_start = length * 0
-            while block_start < length:
-                offsets = block_start + tl.arange(0, BLOCK_SIZE)
-                mask = offsets < length
-                tl.store(dst16 + offsets, tl.load(src16 + offsets, mask=mask), mask=mask)
-                block_start += BLOCK_SIZE
+            copy_elements(dst16, src16, length, BLOCK_SIZE)
         else:
             dst8 = out_addr.to(tl.pointer_type(tl.int8)) + element
             src8 = src_addr.to(tl.pointer_type(tl.int8))
-            block_start = length * 0
-            while block_start < length:
-                offsets = block_start + tl.arange(0, BLOCK_SIZE)
-                mask = offsets < length
-                tl.store(dst8 + offsets, tl.load(src8 + offsets, mask=mask), mask=mask)
-                block_start += BLOCK_SIZE
+            copy_elements(dst8, src8, length, BLOCK_SIZE)
         if SERIAL:
             # Different threads may write the same element for consecutive writes; the barrier
             # makes the later write's stores come after the earlier one's.
@@ -151,12 +152,33 @@ def _kernel(interpret: bool):
         if not interpret:
             raise RuntimeError("jaxbuf.kernels.staged_write was imported with TRITON_INTERPRET=1; "
                                "cannot launch it compiled in this process")
-        return _apply_staged_writes_kernel
-    if not interpret:
+    elif not interpret:
         return _apply_staged_writes_kernel
     if _interpreted_kernel is None:
-        _interpreted_kernel = InterpretedFunction(_apply_staged_writes_kernel.fn)
+        _interpreted_kernel = interpreted(_apply_staged_writes_kernel)
     return _interpreted_kernel
+
+
+def interpreted(kernel: Any) -> Any:
+    """``kernel`` (a ``triton.jit`` function, compiled-mode or interpreted) under Triton's
+    interpreter, with the ``@triton.jit`` helpers it calls interpreted too.
+
+    The interpreter runs the kernel's Python source against its module's globals, where a
+    helper such as :func:`copy_elements` is a compiled-mode function that refuses to be called
+    from Python. The interpreted kernel therefore runs over a copy of those globals in which
+    each such helper is interpreted (one level: the helpers here call no others).
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    fn = kernel.fn
+    namespace = dict(fn.__globals__)
+    for name in fn.__code__.co_names:
+        if isinstance(namespace.get(name), JITFunction):
+            namespace[name] = InterpretedFunction(namespace[name].fn)
+    rebound = types.FunctionType(
+        fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    return InterpretedFunction(rebound)
 
 
 def apply_staged_writes(write_table: Any, group_table: Any, contents: Any,
@@ -236,33 +258,62 @@ def _segment_count(segments: Any) -> int:
 
 
 class CompiledLauncher:
-    """Launches the compiled Triton kernel through its cached launcher.
+    """Launches the compiled Triton kernel: directly with ``cuLaunchKernel`` where it can, else
+    through Triton's launcher.
 
-    ``kernel[grid](...)`` re-binds and re-specialises its arguments on every call (tens of
-    microseconds of Python); the arguments here never change type (three int64 addresses and
-    an int32 count), so after one ``warmup`` compile per ``serial`` value the compiled
-    kernel's launcher is called directly, on an explicit stream. Triton's launch hooks
-    (profilers) are not called on this path. Triton releases before 3.3 launch differently:
-    there every launch goes through :func:`apply_staged_writes`.
+    Triton compiles, once per ``serial`` value (a ``warmup``, cached here): the arguments never
+    change type (three int64 addresses, an int32 count, an int64 address), so launches skip
+    ``kernel[grid](...)``, which re-binds and re-specialises them on every call (tens of
+    microseconds). The cached kernel is then launched
 
-    ``launcher(write_table, group_table, contents, num_writes, serial, raw_stream, ...)``
-    takes int addresses (device-visible) and a raw ``CUstream`` handle; extra positional
-    arguments are ignored, so it is interchangeable with the CPU launchers of
-    :mod:`jaxbuf.staged`.
+    * directly (Triton 3.3+, with a driver that launches kernels): a
+      :class:`~jaxbuf.kernels.cuda_launch.DirectLauncher` rewrites the five values in its
+      prepacked argument buffer and calls the driver seam's ``launch_kernel``
+      (``cuLaunchKernel``); a few microseconds;
+    * else through Triton's launcher (``CompiledKernel.run``). :attr:`fallback_reason` says
+      why in one line; it is None while every kernel compiled so far launches directly.
+      Before Triton 3.3 every launch goes through :func:`apply_staged_writes`.
+
+    ``direct=False``, or the environment variable ``JAXBUF_DIRECT_LAUNCH=0``, keeps Triton's
+    launcher. Triton's launch hooks (profilers) are called on neither path.
+
+    ``launcher(write_table, group_table, contents, num_writes, serial, raw_stream, ...,
+    segments=0, num_segments=1)`` takes device-visible int addresses and a raw ``CUstream``
+    handle (0: the legacy default stream); the device's context must be current on the
+    calling thread (the fused writer makes it so). The grid is one program per write, or per
+    segment when ``serial``. Extra positional arguments are ignored, so it is interchangeable
+    with the CPU launchers of :mod:`jaxbuf._launch`. Not thread-safe: one writer drives it.
     """
 
     # Compiled with addresses past 2**32 so the address parameters are int64 whatever the
     # first real addresses are.
     _WARMUP_ADDRESS = 1 << 40
+    #: The kernel's runtime arguments, in the order launches pass them.
+    RUNTIME_ARGUMENTS = ("write_table_addr", "group_table_addr", "contents_addr", "num_writes",
+                         "segments_addr")
 
-    def __init__(self, device_index: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(self, device_index: int, block_size: int = DEFAULT_BLOCK_SIZE, *,
+                 driver: Any = None, direct: bool = True) -> None:
         self.device_index = device_index
         self.block_size = block_size
-        self._compiled: dict[bool, tuple] = {}
-        version = tuple(int(part) for part in triton.__version__.split(".")[:2])
-        self._fast = version >= (3, 3)
+        if driver is None:
+            from jaxbuf.drivers import driver_for_platform
 
-    def _compile(self, serial: bool) -> tuple:
+            driver = driver_for_platform("cuda")
+        self._driver = driver
+        version = _triton_version()
+        self._legacy = version < (3, 3)
+        # [parallel, serial]: launch(grid, stream, wt, gt, contents, num_writes, segments)
+        self._launches: list[Any] = [None, None]
+        self.fallback_reason: str | None = _direct_unavailable_reason(version, driver, direct)
+
+    @property
+    def direct(self) -> bool:
+        """Whether every kernel compiled so far launches with ``cuLaunchKernel``."""
+        return self.fallback_reason is None
+
+    def _compile(self, serial: bool) -> Any:
+        """The compiled kernel for ``serial``, its handles loaded on this launcher's device."""
         import torch
 
         kernel = _kernel(False)
@@ -271,32 +322,94 @@ class CompiledLauncher:
         # launch together, and Triton's per-kernel caches are not meant for that.
         with _COMPILE_LOCK, torch.cuda.device(self.device_index):
             compiled = kernel.warmup(address, address, address, 1 << 20, address,
-                                     BLOCK_SIZE=self.block_size, SERIAL=serial, grid=(1,))  # fmt: skip
+                                     BLOCK_SIZE=self.block_size, SERIAL=serial, grid=(1,))
             if hasattr(compiled, "result"):  # an asynchronous compile
                 compiled = compiled.result()
             compiled._init_handles()
-        entry = (compiled.run, compiled.function, compiled.packed_metadata)
-        self._compiled[serial] = entry
-        return entry
+        return compiled
+
+    def _prepare(self, serial: bool) -> Any:
+        """The launch function for ``serial``: direct where possible (else the reason is
+        kept in :attr:`fallback_reason`)."""
+        from .cuda_launch import DirectLauncher, DirectLaunchUnavailable
+
+        if self._legacy:
+            launch = self._through_apply(serial)
+        else:
+            compiled = self._compile(serial)
+            launch = None
+            if self.fallback_reason is None:
+                try:
+                    launcher = DirectLauncher(compiled, self._driver, self.RUNTIME_ARGUMENTS)
+                    launch = launcher.bind()
+                except DirectLaunchUnavailable as error:
+                    self.fallback_reason = str(error)
+            if launch is None:
+                launch = self._through_triton(compiled, serial)
+        self._launches[1 if serial else 0] = launch
+        return launch
+
+    def _through_triton(self, compiled: Any, serial: bool) -> Any:
+        run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+        block_size = self.block_size
+
+        def launch(grid, stream, wt, gt, contents, num_writes, segments):
+            # Triton's launcher takes every kernel argument, constexprs included, as
+            # JITFunction.run passes them.
+            run(grid, 1, 1, stream, function, metadata, None, None, None, wt, gt, contents,
+                num_writes, segments, block_size, serial)
+
+        return launch
+
+    def _through_apply(self, serial: bool) -> Any:
+        block_size = self.block_size
+
+        def launch(grid, stream, wt, gt, contents, num_writes, segments):
+            import torch
+
+            bounds = IntsAt(segments, grid + 1) if serial else None
+            apply_staged_writes(wt, gt, contents, num_writes, serial=serial, segments=bounds,
+                                block_size=block_size, interpret=False,
+                                stream=torch.cuda.ExternalStream(stream))
+
+        return launch
 
     def __call__(self, wt, gt, contents, num_writes, serial, raw_stream, *_host_tables,
                  segments: int = 0, num_segments: int = 1) -> None:
         if num_writes >= 1 << 31:
             raise ValueError(f"{num_writes} writes exceed one launch's int32 count")
-        if not self._fast:
-            import torch
+        launch = self._launches[1 if serial else 0]
+        if launch is None:
+            launch = self._prepare(serial)
+        # One program per write; per row segment when serial. A grid of 0 launches nothing.
+        launch(num_segments if serial else num_writes, raw_stream, wt, gt, contents, num_writes,
+               segments)
 
-            apply_staged_writes(wt, gt, contents, num_writes, serial=serial,
-                                segments=IntsAt(segments, num_segments + 1) if serial
-                                else None, block_size=self.block_size, interpret=False,
-                                stream=torch.cuda.ExternalStream(raw_stream))  # fmt: skip
-            return
-        entry = self._compiled.get(serial)
-        if entry is None:
-            entry = self._compile(serial)
-        run, function, metadata = entry
-        # The launcher takes every kernel argument, constexprs included, as JITFunction.run
-        # passes them.
-        run(num_segments if serial else num_writes, 1, 1, raw_stream, function, metadata, None,
-            None, None, wt, gt, contents, num_writes, segments, self.block_size, serial)  # fmt: skip
 
+def _triton_version() -> tuple[int, int]:
+    parts = []
+    for part in triton.__version__.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())  # "3.6.0+git..." or "3.6rc1"
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _direct_unavailable_reason(version: tuple[int, int], driver: Any, direct: bool) -> str | None:
+    """Why no kernel of a launcher may launch directly, before any is compiled; None: try."""
+    if not direct:
+        return "direct launch disabled by the caller (direct=False)"
+    setting = os.environ.get("JAXBUF_DIRECT_LAUNCH", "1").strip().lower()
+    if setting in ("0", "false", "no", "off"):
+        return f"direct launch disabled by JAXBUF_DIRECT_LAUNCH={setting}"
+    if version < (3, 3):
+        return (f"Triton {triton.__version__} predates 3.3; the parameters of its compiled "
+                "kernels are not known here")
+    from jaxbuf.drivers.base import VmmDriver
+
+    launch_kernel = getattr(type(driver), "launch_kernel", None)
+    if launch_kernel is None or launch_kernel is VmmDriver.launch_kernel:
+        return f"{type(driver).__name__} does not implement launch_kernel"
+    reason = driver.unavailable_reason()
+    if reason is not None:
+        return f"the driver is unavailable: {reason}"
+    return None

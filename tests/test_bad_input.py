@@ -134,12 +134,12 @@ def snapshot(obj: Any) -> Any:
     if isinstance(obj, jaxbuf.UvaBuffer):
         return (obj.shape, obj.np.tobytes(), obj.host_ptr)
     if isinstance(obj, jaxbuf.StagedWriteTensor):
-        return (obj.num_staged_writes, bytes(obj._records), bytes(obj._contents),
+        return (obj.num_staged_writes, bytes(obj._staging.records), bytes(obj._staging.contents),
                 obj.to_numpy().tobytes())
     if isinstance(obj, tuple):
         return tuple(snapshot(part) for part in obj)
     if isinstance(obj, jaxbuf.FusedStagedWriter):
-        return (obj._curr, list(obj._slot_capacities))
+        return (obj._curr, [slot.capacity for slot in obj._slots])
     raise TypeError(f"no snapshot for {type(obj).__name__}")
 
 

@@ -185,7 +185,6 @@ print("done")
     assert_normal_exit(run_child(script))
 
 
-@pytest.mark.xfail(strict=True, reason="ownership step pending: free() still unmaps at once")
 def test_array_outlives_free():
     """``free()`` with a live JAX array: the array keeps its memory (issue 12, item 2)."""
     script = (

@@ -254,7 +254,6 @@ print("done")
     assert_normal_exit(run_child(script))
 
 
-@pytest.mark.xfail(strict=True, reason="ownership step pending: free() still unmaps at once")
 def test_array_outlives_free():
     """``free()`` means "I am done": an array exported before it keeps reading its values and
     the memory goes with the last array (issue 12, item 2)."""

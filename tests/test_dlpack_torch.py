@@ -261,7 +261,6 @@ print("done")
     assert_normal_exit(run_child(script))
 
 
-@pytest.mark.xfail(strict=True, reason="ownership step pending: free() still unmaps at once")
 def test_tensor_outlives_free():
     """``free()`` with a live tensor: the tensor keeps its memory (issue 12, item 2)."""
     script = (

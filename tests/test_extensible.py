@@ -22,10 +22,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jaxbuf._lifetime import release_when_collected
 from jaxbuf.devices import Device, as_device
 from jaxbuf.drivers import DriverError, get_vmm_driver
 from jaxbuf.drivers.base import K_DL_CPU, VmmDriver
-from jaxbuf._lifetime import release_when_collected
 from jaxbuf.extensible import ExtensibleTensor, _VirtualBuffer, granule_size
 from jaxbuf.testing import FaultInjectingDriver
 
@@ -271,6 +271,46 @@ def test_unequal_segments(device, tracked):
         assert buf.physical_bytes == 8 * MiB
 
 
+def test_messages_about_the_size_limit_do_not_contradict_themselves():
+    # 2**63 - 1 is below 2**63: the message names the real bound, which it is not below.
+    with pytest.raises(ValueError) as caught:
+        ExtensibleTensor(2**63 - 1, device="cpu")
+    message = str(caught.value)
+    assert "below 2**63 - 2 MiB = 9223372036852678656" in message and str(2**63 - 1) in message
+    assert "must be below 2**63 (" not in message
+
+
+@pytest.mark.parametrize(
+    "capacities, offsets",
+    [
+        ([1 * MiB, 5 * MiB, 2 * MiB], [0, 1 * MiB, 6 * MiB]),  # multiples of 256: no gaps
+        ([1000, 3000, 96, 4 * MiB - 4096], [0, 1024, 4096, 4352]),  # 1000 -> 1024, ...
+        ([1] * 4, [0, 256, 512, 768]),
+    ],
+)
+def test_segments_start_aligned_so_every_view_imports_zero_copy(capacities, offsets):
+    """Segment starts are rounded up to 256 bytes (JAX imports host memory in place only at
+    64-byte alignment); capacities stay the user's, the reservation covers the gaps."""
+    with ExtensibleTensor(sum(capacities), device="cpu", segment_capacities=capacities) as buf:
+        assert buf.segment_offsets == offsets and buf.segment_capacities == capacities
+        assert buf.capacity_bytes >= offsets[-1] + capacities[-1]
+        assert buf.full_view().nbytes == offsets[-1] + capacities[-1]
+        buf.resize_segments_(capacities, zero_new=True)
+        for i in range(len(capacities)):
+            view = buf.segment_view(i)
+            assert view.ptr == buf.base_ptr + offsets[i] and view.ptr % 256 == 0
+            view.to_numpy()[:] = i + 1
+        for i in range(len(capacities)):  # segments do not overlap
+            assert (buf.segment_view(i).to_numpy() == i + 1).all()
+        jax = pytest.importorskip("jax")
+        for i in range(len(capacities)):
+            view = buf.segment_view(i)
+            array = view.to_jax()
+            assert array.unsafe_buffer_pointer() == view.ptr  # in place, never a copy
+            assert int(jax.numpy.max(array)) == i + 1
+            del array
+
+
 def test_release_and_recommit(device, tracked):
     with make(device, tracked, 8 * MiB, num_segments=2) as buf:
         buf.resize_per_segment_(3 * MiB)
@@ -331,6 +371,10 @@ def test_zero_sized_reservation(device, tracked):
         ({"max_num_bytes": 100, "segment_capacities": "ab"}, TypeError, "'ab'"),
         ({"max_num_bytes": 100, "segment_capacities": [50, 50], "num_segments": 3},
          ValueError, "num_segments \\(3\\)"),  # fmt: skip
+        ({"max_num_bytes": 2**63 - 1}, ValueError, "below 2\\*\\*63 - 2 MiB .*9223372036854775807"),
+        ({"max_num_bytes": 2**63 - 2 * MiB}, ValueError, str(2**63 - 2 * MiB)),
+        ({"max_num_bytes": 2**63 - 2 * MiB - 1, "segment_capacities": [1, 2**63 - 2 * MiB - 2]},
+         ValueError, "each starting at a multiple of 256"),  # the alignment gap overflows
         ({"max_num_bytes": 100, "device": "tpu"}, ValueError, "tpu"),
         ({"max_num_bytes": 100, "device": "cpu:1"}, ValueError, "cpu"),
     ],

@@ -883,7 +883,7 @@ def _state_machine(device: str):
         def consistent(self):
             self.driver.check_invariants()
             self.m.check()
-            handles_match_chunks(self.driver, self.m.buf, self.swt._target)
+            handles_match_chunks(self.driver, self.m.buf, self.swt._allocation.buffer)
 
         def teardown(self):
             self.pool.close()

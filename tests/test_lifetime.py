@@ -11,16 +11,24 @@ Documented behaviour tested here:
   again, touching them is an access to unmapped memory: on the CPU driver the range is
   ``PROT_NONE`` and the access dies with ``SIGSEGV`` (never reads stale bytes). After a grow the
   same views work again; freshly committed CPU memory reads zeros.
-* A view used after ``free()``: on the CPU driver the freed range stays reserved ``PROT_NONE``
-  in the driver's bounded quarantine, so the access dies with ``SIGSEGV`` instead of reading
-  another allocation placed at the same address.
+* ``free()`` means "I am done" (issue 12): arrays exported before it (numpy, torch, JAX,
+  unconsumed capsules) keep reading their memory, ``live_exports`` counts them, and the memory
+  goes with the last one (``released``); with none it goes at once. Views taken before
+  ``free()`` raise ``RuntimeError`` at every export. ``free()`` waits for JAX's pending work
+  first, so the README's donated JAX step followed by ``free()`` never faults. Owners refuse
+  pickling and copying.
+* A raw pointer (not an export) used after ``free()``: on the CPU driver the freed range stays
+  reserved ``PROT_NONE`` in the driver's bounded quarantine, so the access dies with
+  ``SIGSEGV`` instead of reading another allocation placed at the same address.
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import gc
 import mmap
+import pickle
 import signal
 import subprocess
 import sys
@@ -32,6 +40,7 @@ import numpy as np
 import pytest
 
 import jaxbuf
+from jaxbuf import interop
 from jaxbuf.drivers import HostVmmDriver
 
 GRANULE = 2 << 20
@@ -292,16 +301,253 @@ def test_read_after_release_physical_faults_on_the_cpu():
     assert_segfault(result, "released")
 
 
+# -- free() means "I am done" (issue 12) ---------------------------------------------------
+def _grown(driver=None, fill: int = 7):
+    """A one-segment buffer with 4096 committed bytes set to ``fill``."""
+    buf = jaxbuf.ExtensibleTensor(GRANULE, "cpu", driver=driver)
+    buf.resize_per_segment_(4096)
+    buf.segment_view(0).to_numpy()[:] = fill
+    return buf
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    """JAX may run a capsule's deleter a moment later, from one of its threads."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        gc.collect()
+        time.sleep(0.01)
+    return True
+
+
+def _export(framework: str, view):
+    if framework == "numpy":
+        return view.to_numpy()
+    if framework == "capsule":
+        return view.__dlpack__()  # never consumed: its destructor ends the export
+    if framework == "torch":
+        return pytest.importorskip("torch").from_dlpack(view)
+    pytest.importorskip("jax")
+    return view.to_jax()
+
+
+def _read(framework: str, array) -> int:
+    if framework == "capsule":
+        return 7  # a capsule holds the memory but reads nothing
+    if framework == "torch":
+        return int(array.sum())
+    return int(np.asarray(array).astype(np.int64).sum())
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch", "jax", "capsule"])
+def test_free_with_a_live_export_releases_with_the_last_export(framework):
+    driver = CountingDriver()
+    buf = _grown(driver)
+    array = _export(framework, buf.segment_view(0))
+    assert buf.live_exports == 1 and not buf.released
+    buf.free()
+    # The handle is done with the memory; the array still reads it.
+    assert buf.base_ptr == 0 and buf.committed_sizes == [0] and buf.physical_bytes == 0
+    assert _read(framework, array) == (7 * 4096 if framework != "capsule" else 7)
+    assert buf.live_exports == 1 and not buf.released and driver.reservations == 1
+    with pytest.raises(RuntimeError, match="freed"):
+        buf.segment_view(0)
+    buf.free()  # idempotent, also with exports alive
+    del array
+    assert wait_for(lambda: buf.released)
+    assert buf.live_exports == 0 and driver.reservations == 0
+
+
+def test_free_without_exports_releases_at_once():
+    driver = CountingDriver()
+    buf = _grown(driver)
+    array = buf.segment_view(0).to_numpy()
+    del array  # an export that is gone holds nothing
+    assert buf.live_exports == 0
+    buf.free()
+    assert buf.released and driver.reservations == 0
+
+
+def test_two_exports_the_memory_goes_with_the_last():
+    driver = CountingDriver()
+    buf = _grown(driver)
+    first, second = buf.segment_view(0).to_numpy(), buf.segment_view(0).__dlpack__()
+    buf.free()
+    assert buf.live_exports == 2
+    del first
+    assert buf.live_exports == 1 and not buf.released
+    del second
+    assert buf.released and driver.reservations == 0
+
+
+@pytest.mark.parametrize("route", ["__dlpack__", "to_numpy", "to_torch", "to_jax", "copy"])
+def test_a_view_taken_before_free_refuses_to_export(route):
+    buf = _grown()
+    view = buf.segment_view(0)
+    buf.free()
+    assert buf.released
+    export = {
+        "__dlpack__": view.__dlpack__,
+        "to_numpy": view.to_numpy,
+        "to_torch": lambda: (pytest.importorskip("torch"), view.to_torch()),
+        "to_jax": lambda: (pytest.importorskip("jax"), view.to_jax()),
+        "copy": lambda: view.__dlpack__(copy=True),
+    }[route]
+    with pytest.raises(RuntimeError, match="the ExtensibleTensor has been freed"):
+        export()
+
+
+def test_every_method_needing_memory_raises_after_free():
+    buf = _grown()
+    array = buf.segment_view(0).to_numpy()  # alive: free() only lets go
+    buf.free()
+    for call in (
+        lambda: buf.segment_view(0),
+        buf.full_view,
+        lambda: buf.resize_per_segment_(8192),
+        buf.release_physical,
+        buf.defragment,
+        lambda: buf.grant_access([]),
+        lambda: buf.segments_backed_by_one_chunk([0]),
+        buf.check_exportable,
+    ):
+        with pytest.raises(RuntimeError, match="the ExtensibleTensor has been freed"):
+            call()
+    assert (buf.num_bytes, buf.physical_bytes, buf.num_physical_chunks, buf.base_ptr) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert int(array[0]) == 7
+
+
+@pytest.mark.parametrize("how", [pickle.dumps, copy.copy, copy.deepcopy])
+def test_owners_refuse_pickling_and_copying(how):
+    buf = _grown()
+    with pytest.raises(TypeError, match="cannot be pickled or copied"):
+        how(buf)
+    with pytest.raises(TypeError, match="cannot be pickled or copied"):
+        how(buf.export_anchor.target)  # the allocation itself
+    buf.free()
+
+
+def test_export_anchor_is_the_lifetime_anchor():
+    """One attribute read on the hot path: the ExportAnchor itself, stable while open."""
+    from jaxbuf._capsule import ExportAnchor
+
+    buf = _grown()
+    anchor = buf.export_anchor
+    assert type(anchor) is ExportAnchor and buf.export_anchor is anchor
+    capsule = buf.segment_view(0).__dlpack__()
+    assert anchor.live_exports == buf.live_exports == 1
+    del capsule
+    buf.free()
+    assert buf.export_anchor is None and anchor.live_exports == 0
+
+
+class _Quiescing(interop.Adapter):
+    name = "quiescing-test"
+
+    def __init__(self) -> None:
+        self.devices: list = []
+
+    def is_array(self, x) -> bool:
+        return False
+
+    def quiesce(self, device) -> None:
+        self.devices.append(device)
+
+
+def test_free_quiesces_the_frameworks_before_releasing():
+    adapter = interop.register(_Quiescing())
+    try:
+        buf = _grown()
+        array = buf.segment_view(0).to_numpy()
+        buf.free()
+        assert adapter.devices == []  # exports alive: nothing is released, nothing waited for
+        del array
+        buf = _grown()
+        buf.free()
+        assert adapter.devices == [buf.device]
+    finally:
+        interop.unregister(adapter.name)
+
+
+def test_jax_quiesce_waits_for_pending_computations():
+    """JAX dispatches asynchronously, on the CPU too: quiesce returns once JAX's pending
+    work on the platform is done (what free() waits for before unmapping)."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    x = jnp.ones((1024, 1024), jnp.float32)
+    x.block_until_ready()
+    out = jax.jit(lambda a: jnp.linalg.matrix_power(a / 1024, 16).sum())(x)
+    running = not out.is_ready()  # most likely: the step takes a while
+    interop.get("jax").quiesce(jaxbuf.Device("cpu"))
+    assert out.is_ready(), running
+    interop.get("jax").quiesce(jaxbuf.Device("cuda"))  # no GPU backend here: nothing to wait for
+
+
+def test_quiesce_never_imports_a_framework():
+    result = run_python("""
+        import sys
+        import jaxbuf
+        buf = jaxbuf.ExtensibleTensor(2 << 20, device="cpu")
+        buf.resize_per_segment_(4096)
+        buf.free()
+        assert buf.released
+        assert not {"torch", "jax"} & set(sys.modules), sorted(sys.modules)
+        print("done", flush=True)
+    """)
+    assert_clean_exit(result)
+
+
+# The README's JAX example on the CPU, in its GPU form: no block_until_ready, no del, before
+# free(). JAX lets go of the donated import at dispatch while the step may still read it;
+# free() waits for JAX's pending work. Before, this died with SIGSEGV three times out of three.
+README_JAX_ON_CPU = """
+    import jax, jax.numpy as jnp
+    import jaxbuf
+
+    cache = jaxbuf.ExtensibleTensor(64 << 20, device="cpu", num_segments=2)  # K and V
+    cache.resize_per_segment_(2 << 20, zero_new=True)
+    k = cache.segment_view(0).to_jax(dtype=jnp.bfloat16, shape=(256, 4096))
+    assert k.unsafe_buffer_pointer() == cache.base_ptr
+    cache.resize_per_segment_(8 << 20, zero_new=True)
+    k = cache.segment_view(0).to_jax(dtype=jnp.bfloat16, shape=(1024, 4096))
+    step = jax.jit(lambda x: x.at[0].set(1), donate_argnums=0)
+    k = step(k)
+    cache.free()
+    assert float(k[0, 0]) == 1.0 and float(k[1, 0]) == 0.0
+    print("done", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_readme_jax_example_with_free_right_after_a_donated_step():
+    pytest.importorskip("jax")
+    for run in range(10):
+        result = run_python(README_JAX_ON_CPU)
+        assert result.returncode == 0, (run, result.returncode, result.stderr[-3000:])
+        assert "done" in result.stdout, (run, result.stdout)
+
+
 # -- use after free --------------------------------------------------------------------------
 USE_AFTER_FREE = """
 import ctypes, mmap
+import numpy as np
 import jaxbuf
 from jaxbuf.drivers import HostVmmDriver
 driver = HostVmmDriver(quarantine_bytes={quarantine})
 buf = jaxbuf.ExtensibleTensor(2 << 20, device="cpu", driver=driver)
 buf.resize_per_segment_(4096, zero_new=True)
-array = buf.segment_view(0).to_numpy()  # keeps the object alive, not its memory
 ptr = buf.base_ptr
+# A raw alias, not an export (an export would keep the memory alive): free() releases under it.
+array = np.ctypeslib.as_array((ctypes.c_uint8 * 4096).from_address(ptr))
 buf.free()
 # Another allocation asks for exactly that address (a hint, as any later mmap may land there).
 libc = ctypes.CDLL(None)

@@ -50,9 +50,7 @@ def open_fds() -> set[str]:
 
 
 def pattern(seed: int, size: int, start: int = 0) -> np.ndarray:
-    return ((np.arange(start, start + size, dtype=np.int64) * 7 + seed * 13) % 251).astype(
-        np.uint8
-    )
+    return ((np.arange(start, start + size, dtype=np.int64) * 7 + seed * 13) % 251).astype(np.uint8)
 
 
 # -- host <-> device bytes through the driver (works on the CPU and on CUDA) -------------------
@@ -160,8 +158,14 @@ class Importer:
         self.control_socket = control
         self.control = control.makefile("rw")
         self.process = subprocess.Popen(
-            [sys.executable, "-c", IMPORTER, str(child_data.fileno()),
-             str(child_control.fileno()), device],  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                IMPORTER,
+                str(child_data.fileno()),
+                str(child_control.fileno()),
+                device,
+            ],
             pass_fds=(child_data.fileno(), child_control.fileno()),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -322,8 +326,9 @@ def test_layout_is_json_and_names_the_chunks():
         assert layout["segment_offsets"] == [0, 4 * G]
         assert layout["committed_sizes"] == [G, 2 * G + 1]
         assert [c[:2] for c in layout["chunks"]] == [[0, G], [4 * G, 3 * G]]
-        assert len(fds) == 2 and all(os.fstat(fd).st_size == c[1]
-                                     for fd, c in zip(fds, layout["chunks"]))  # fmt: skip
+        assert len(fds) == 2 and all(
+            os.fstat(fd).st_size == c[1] for fd, c in zip(fds, layout["chunks"])
+        )
     finally:
         for fd in fds:
             os.close(fd)
@@ -371,7 +376,7 @@ def test_owner_release_and_regrow_is_followed(pair):
 
 
 def test_many_descriptors_go_in_batches(pair, monkeypatch):
-    monkeypatch.setattr(sharing, "_FDS_PER_BATCH", 3)
+    monkeypatch.setattr(sharing._wire, "_FDS_PER_BATCH", 3)
     a, b = pair
     tensor = ExtensibleTensor(16 * G, device="cpu")
     for n in range(1, 9):
@@ -530,3 +535,178 @@ def test_bench_sharing_rows():
         assert math.isfinite(row.median_s) and row.median_s > 0
         assert row.baseline_median_s and row.baseline_median_s > 0
         row.to_json()
+
+
+# -- ownership: arrays exported from an import outlive its close() -----------------------------
+CLOSING_IMPORTER = textwrap.dedent(
+    r"""
+    import gc, json, os, socket, sys
+    import numpy as np
+    from jaxbuf.sharing import recv_buffer
+
+    data = socket.socket(fileno=int(sys.argv[1]))
+    framework, ending = sys.argv[2], sys.argv[3]
+    to_numpy = {
+        "numpy": lambda view: view.to_numpy(),
+        "torch": lambda view: view.to_torch(),
+        "jax": lambda view: view.to_jax(),
+    }[framework]
+    if framework != "numpy":
+        __import__(framework)  # its own descriptors and mappings open before the baseline
+
+    def shared_mappings(start, end):
+        # Shared (file-backed: the chunks' memfds) mappings inside [start, end).
+        count = 0
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                span, perms = line.split()[:2]
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                count += lo < end and hi > start and perms.endswith("s")
+        return count
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    imported = recv_buffer(data)
+    start = imported.base_ptr
+    end = start + imported.capacity_bytes
+    mapped = shared_mappings(start, end)
+    view = imported.segment_view(0)
+    array = to_numpy(view)
+    exports = imported.live_exports
+    if ending == "close":
+        imported.close()
+        state = dict(closed=imported.closed, released=imported.released,
+                     live_exports=imported.live_exports)
+        refused = []
+        for what, call in (("view", lambda: imported.segment_view(0)),
+                           ("export", lambda: view.to_numpy()),
+                           ("dlpack", lambda: view.__dlpack__()),
+                           ("update", lambda: imported.update({}, []))):
+            try:
+                call()
+                refused.append(what + ": allowed")
+            except RuntimeError as error:
+                refused.append(str(error))
+    else:  # the handle dropped without close(): the same, through the allocation's __del__
+        del imported
+        gc.collect()
+        state, refused = {}, []
+    mapped_while_exported = shared_mappings(start, end)
+    after_close = np.asarray(array).tobytes()  # a read after close: must not fault
+    del array, view
+    gc.collect()
+    if ending == "close":
+        state.update(released_after=imported.released,
+                     exports_after=imported.live_exports)
+    print(json.dumps(dict(
+        mapped=mapped, exports=exports, state=state, refused=refused,
+        mapped_while_exported=mapped_while_exported,
+        intact=after_close == bytes(range(256)) * (len(after_close) // 256),
+        mapped_after=shared_mappings(start, end),
+        fd_delta=len(os.listdir("/proc/self/fd")) - fds_before,
+    )))
+    """
+)
+
+
+def _closing_importer(framework: str, ending: str) -> dict:
+    """Owner here, importer in a child (a read of unmapped memory would kill it, not us)."""
+    if framework != "numpy":
+        pytest.importorskip(framework)
+    tensor = ExtensibleTensor(4 * G, device="cpu", num_segments=2)
+    tensor.resize_per_segment_(G)
+    tensor.segment_view(0).to_numpy()[:] = np.tile(np.arange(256, dtype=np.uint8), G // 256)
+    data, child_data = socket.socketpair()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-c", CLOSING_IMPORTER, str(child_data.fileno()), framework, ending],
+            pass_fds=(child_data.fileno(),),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        child_data.close()
+        send_buffer(data, tensor)
+        out, err = process.communicate(timeout=120)
+    finally:
+        data.close()
+        tensor.free()
+    assert process.returncode == 0, f"importer died (rc={process.returncode}):\n{err}{out}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch", "jax"])
+def test_arrays_exported_from_an_import_outlive_close(framework):
+    result = _closing_importer(framework, "close")
+    assert result["mapped"] == 2 and result["exports"] == 1
+    # close(): closed, not released while the array lives; nothing new may be made.
+    assert result["state"] == {
+        "closed": True,
+        "released": False,
+        "live_exports": 1,
+        "released_after": True,
+        "exports_after": 0,
+    }
+    assert len(result["refused"]) == 4
+    for message in result["refused"]:
+        assert "ImportedBuffer is closed" in message, message
+    assert result["mapped_while_exported"] == 2  # the array keeps the mappings...
+    assert result["intact"]  # ...and reads the owner's bytes after close()
+    assert result["mapped_after"] == 0  # gone with the last array
+    assert result["fd_delta"] == 0
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch", "jax"])
+def test_arrays_exported_from_an_import_outlive_its_handle(framework):
+    result = _closing_importer(framework, "drop")
+    assert result["mapped_while_exported"] == 2 and result["intact"]
+    assert result["mapped_after"] == 0 and result["fd_delta"] == 0
+
+
+def test_close_releases_at_once_without_exports_and_refuses_later_use(pair):
+    a, b = pair
+    tensor = ExtensibleTensor(4 * G, device="cpu")
+    tensor.resize_per_segment_(G)
+    layout = send_buffer(a, tensor)
+    imported = recv_buffer(b)
+    view = imported.segment_view(0)
+    assert not imported.closed and not imported.released and imported.live_exports == 0
+    imported.close()
+    assert imported.closed and imported.released and imported.live_exports == 0
+    assert imported.num_physical_chunks == 0 and "closed" in repr(imported)
+    with pytest.raises(RuntimeError, match="closed"):
+        imported.check_exportable()
+    with pytest.raises(RuntimeError, match="closed"):
+        view.to_numpy()  # a view taken before close()
+    with pytest.raises(RuntimeError, match="closed"):
+        imported.full_view()
+    # refresh refuses before receiving: the owner's next message stays in the socket.
+    tensor.resize_per_segment_(2 * G)
+    send_buffer(a, tensor, since=layout)
+    with pytest.raises(RuntimeError, match="closed"):
+        imported.refresh(b)
+    layout, fds = recv_layout(b)
+    before = open_fds()
+    with pytest.raises(RuntimeError, match="closed"):
+        imported.update(layout, fds)
+    assert open_fds() == before - {str(fd) for fd in fds}  # update closed them anyway
+    imported.close()  # twice is fine
+    tensor.free()
+
+
+def test_a_failed_release_is_retried_by_the_next_close(pair):
+    from jaxbuf.testing import FaultInjectingDriver
+
+    a, b = pair
+    tensor = ExtensibleTensor(4 * G, device="cpu")
+    tensor.resize_per_segment_(G)
+    send_buffer(a, tensor)
+    driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+    imported = recv_buffer(b, driver=driver)
+    driver.fail_on("free_reserved")
+    with pytest.raises(DriverError):
+        imported.close()
+    assert imported.closed and not imported.released
+    imported.close()
+    assert imported.released
+    assert not driver.problems()
+    tensor.free()

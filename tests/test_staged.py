@@ -115,11 +115,11 @@ def cleanup():
 @pytest.fixture(params=["c", "numpy"])
 def packer(request, monkeypatch):
     """The writer packs a slot with the C extension, or with its numpy fallback."""
-    import jaxbuf.staged as staged
+    import jaxbuf._packing as packing
 
     if request.param == "numpy":
-        monkeypatch.setattr(staged, "_pack", None)
-    elif staged._pack is None:
+        monkeypatch.setattr(packing, "c_pack", None)
+    elif packing.c_pack is None:
         pytest.skip("jaxbuf._staging is not built")
     return request.param
 
@@ -302,20 +302,32 @@ def test_overlapping_writes_later_wins_200_trials_on_gpu(cleanup):
         _overlap_trial(rng, swt, swt.apply_write, num_writes=64, rows=2 if trial % 2 else 64)
 
 
-def test_overlap_detection_only_when_needed(packer, cleanup, monkeypatch):
+def test_overlaps_resolved_before_a_parallel_launch(packer, cleanup, monkeypatch):
+    """Overlapping writes are resolved when packed (the earlier one trimmed to what stays
+    visible), so every launch is the parallel one and its table has no overlap."""
     swt = _swt(cleanup, (4, 8), "int32", device="cpu", backend="numpy")
     swt.apply_write()  # nothing staged
     swt.stage_write(0, 0, [1])
     swt.apply_write()
     launches = _count_launches(swt._writer, monkeypatch)
+    tables = []
+    launch = swt._writer._launch
+
+    def recording(*args, **kwargs):
+        tables.append(args[6][:, 1:].copy())  # row, start, content_offset, length
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(swt._writer, "_launch", recording)
     swt.stage_write(1, 0, [1, 2])
-    swt.stage_write(1, 4, [3, 4])  # same row, disjoint: still parallel
+    swt.stage_write(1, 4, [3, 4])  # same row, disjoint: kept as they are
     swt.stage_write(2, 0, [5])
     swt.apply_write()
     swt.stage_write(3, 0, [1, 2])
-    swt.stage_write(3, 1, [9])  # overlaps: serial
+    swt.stage_write(3, 1, [9])  # overlaps: the first write keeps only its element 0
     swt.apply_write()
-    assert launches == [False, True]
+    assert launches == [False, False]
+    assert tables[0].tolist() == [[1, 0, 0, 2], [1, 4, 8, 2], [2, 0, 16, 1]]
+    assert tables[1].tolist() == [[3, 0, 0, 1], [3, 1, 8, 1]]
     _assert_same(_read(swt)[1:], np.array([[1, 2, 0, 0, 3, 4, 0, 0], [5] + [0] * 7,
                                            [1, 9] + [0] * 6]))  # fmt: skip
 
@@ -507,6 +519,132 @@ def test_free_is_idempotent_and_final(device):
     writer.close()
 
 
+# Ownership (issue 12): an exported array keeps the target memory; free() means "I am done".
+FREE_WITH_LIVE_EXPORT = """
+import gc
+import numpy as np
+from jaxbuf.drivers import get_vmm_driver
+from jaxbuf.staged import StagedWriteTensor
+from jaxbuf.testing import FaultInjectingDriver
+
+driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+def made():
+    swt = StagedWriteTensor((4, 8), "int32", "cpu", uva_instead_of_gpu={uva},
+                            backend="numpy", driver=driver)
+    swt.stage_write(1, 2, np.array([7, 8, 9], np.int32))
+    swt.apply_write()
+    return swt
+swt = made()
+array = {consume}
+swt.free()
+assert swt.freed and not swt.released and swt.live_exports == 1, repr(swt)
+# New tensors must not land on the freed tensor's memory while the array uses it.
+others = [made() for _ in range(4)]
+for other in others:
+    other.stage_write(1, 2, [-1, -1, -1])
+    other.apply_write()
+assert np.asarray({read})[1, 2:5].tolist() == [7, 8, 9]
+del array
+gc.collect()
+assert swt.released and swt.live_exports == 0, repr(swt)
+for other in others:
+    other.free()
+driver.assert_clean()
+print("done")
+"""
+CONSUMERS = {
+    "numpy": ("swt.to_numpy()", "array"),
+    "numpy-dlpack": ("np.from_dlpack(swt.gpu)", "array"),
+    "torch": ("__import__('torch').from_dlpack(swt.gpu)", "array.numpy()"),
+    "jax": ("__import__('jax').dlpack.from_dlpack(swt.gpu)", "array"),
+}
+
+
+@pytest.mark.parametrize("uva", [False, True], ids=["device-memory", "uva"])
+@pytest.mark.parametrize("consumer", list(CONSUMERS))
+def test_free_with_a_live_export_keeps_the_memory_until_it_is_dropped(consumer, uva):
+    import subprocess
+    import sys
+
+    module = {"torch": "torch", "jax": "jax"}.get(consumer)
+    if module is not None:
+        pytest.importorskip(module, reason=f"{module} is not installed")
+    consume, read = CONSUMERS[consumer]
+    source = FREE_WITH_LIVE_EXPORT.format(uva=uva, consume=consume, read=read)
+    result = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", source], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done" in result.stdout, result.stdout
+    for bad in ("Traceback", "Exception ignored", "ResourceWarning", "Fatal Python error"):
+        assert bad not in result.stderr, result.stderr[-3000:]
+
+
+def test_free_without_exports_releases_at_once_after_quiescing(monkeypatch):
+    from jaxbuf import interop
+
+    swt = StagedWriteTensor((2, 4), "int32", device="cpu", backend="numpy")
+    swt.stage_write(0, 0, [1, 2])
+    swt.apply_write()
+    quiesced = []
+    monkeypatch.setattr(
+        interop, "quiesce", lambda device: quiesced.append((device, swt.released)), raising=False
+    )
+    assert swt.live_exports == 0 and not swt.released
+    swt.free()
+    # Quiesced before the release (the buffers beneath may quiesce again on their own).
+    assert swt.released and quiesced and quiesced[0] == (swt.device, False)
+    calls = len(quiesced)
+    swt.free()
+    assert len(quiesced) == calls
+
+
+def test_every_use_after_free_raises(device):
+    swt = StagedWriteTensor((2, 3), "int32", device=device)
+    other = StagedWriteTensor((2, 3), "int32", device=device)
+    view = swt.gpu
+    swt.stage_write(0, 0, [1])
+    swt.free()  # drops the staged write: an apply after free() must not look like it ran
+    uses = (
+        swt.apply_write,
+        lambda: swt.stage_write(0, 0, [1]),
+        lambda: swt.stage_write(0, 0, np.array([1], np.int32)),  # the C fast path
+        lambda: swt.stage_write_elem(0, 1),
+        lambda: swt.gpu,
+        view.__dlpack__,  # a view taken before free()
+        swt.check_exportable,
+    )
+    for use in uses:
+        with pytest.raises(RuntimeError, match="freed"):
+            use()
+    writer = FusedStagedWriter(device, 4)
+    other.stage_write(1, 0, [5])
+    with pytest.raises(RuntimeError, match="freed"):
+        writer.apply([other, swt])
+    assert other.num_staged_writes == 1  # refused whole: nothing applied, nothing cleared
+    writer.apply([other])
+    assert _read(other)[1].tolist() == [5, 0, 0]
+    writer.close()
+    other.stage_write(0, 0, [1])
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.apply([other])
+    other.free()
+
+
+@pytest.mark.parametrize("how", ["pickle", "copy", "deepcopy"])
+def test_owners_refuse_pickling_and_copying(how, cleanup):
+    import copy
+    import pickle
+
+    swt = _swt(cleanup, (2, 2), "int32", device="cpu", backend="numpy")
+    writer = FusedStagedWriter("cpu", 2, backend="numpy")
+    cleanup(writer)
+    operation = {"pickle": pickle.dumps, "copy": copy.copy, "deepcopy": copy.deepcopy}[how]
+    for obj in (swt, writer):
+        with pytest.raises(TypeError, match="cannot be pickled or copied"):
+            operation(obj)
+
+
 def test_clear_staged_writes(cleanup):
     swt = _swt(cleanup, (2, 2), "int32", device="cpu", backend="numpy")
     swt.stage_write(0, 0, [1, 2])
@@ -608,8 +746,8 @@ def test_c_and_python_staging_paths_agree(cleanup):
         swt.stage_write(np.int64(5), 0, np.arange(2, dtype=np.int64))  # a numpy index
         swt.stage_write(6, 4, random_values)
         swt.stage_write(7, 0, np.array([], np.int64))
-    assert bytes(fast._records) == bytes(slow._records)
-    assert bytes(fast._contents) == bytes(slow._contents)
+    assert bytes(fast._staging.records) == bytes(slow._staging.records)
+    assert bytes(fast._staging.contents) == bytes(slow._staging.contents)
     for error, bad in ((IndexError, (8, 0)), (IndexError, (0, 15)), (TypeError, (True, 0))):
         with pytest.raises(error):
             fast.stage_write(*bad, np.arange(2, dtype=np.int64))

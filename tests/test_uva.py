@@ -8,12 +8,11 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import JAX_REASON, TORCH_REASON  # rootdir conftest, on sys.path under pytest
 
 from jaxbuf import uva
 from jaxbuf.drivers import DriverError, HostVmmDriver
 from jaxbuf.uva import NonUvaBuffer, UvaBackedTensor, UvaBuffer, UvaBufferPool
-
-from conftest import JAX_REASON, TORCH_REASON  # rootdir conftest, on sys.path under pytest
 
 # The seed pool's sequence: repeats, growth past a power of two, shrinking back.
 SEED_LENGTHS = (0, 0, 3, 3, 4, 4, 5, 3, 3, 5, 1024, 1024, 1025, 1025, 2, 2)
@@ -108,10 +107,10 @@ def test_seed_sequence(device, framework, kind, row_shape):
 @pytest.mark.parametrize("buffer_cls", [UvaBuffer, NonUvaBuffer])
 def test_fallback_matches_uva(device, buffer_cls):
     _need("torch")
-    uva_pool = UvaBufferPool((4, 2), "float32", device=device, framework="torch",
-                             buffer_cls=UvaBuffer)  # fmt: skip
-    pool = UvaBufferPool((4, 2), "float32", device=device, framework="torch",
-                         buffer_cls=buffer_cls)  # fmt: skip
+    uva_pool = UvaBufferPool(
+        (4, 2), "float32", device=device, framework="torch", buffer_cls=UvaBuffer
+    )
+    pool = UvaBufferPool((4, 2), "float32", device=device, framework="torch", buffer_cls=buffer_cls)
     assert pool.buffer_cls is buffer_cls
     for step, n in enumerate(SEED_LENGTHS):
         x = _values(step, n, (2,)).astype(np.float32) / 7
@@ -126,8 +125,7 @@ def test_fallback_matches_uva(device, buffer_cls):
 @pytest.mark.parametrize("framework", ["view", "torch", "jax"])
 def test_non_uva_buffer_copies_explicitly(device, framework):
     _need("torch") if framework != "jax" else _jax_on(device)
-    pool = UvaBufferPool(8, "int32", device=device, framework=framework,
-                         buffer_cls=NonUvaBuffer)  # fmt: skip
+    pool = UvaBufferPool(8, "int32", device=device, framework=framework, buffer_cls=NonUvaBuffer)
     out = pool.copy_to_uva([1, 2, 3])
     np.testing.assert_array_equal(_to_numpy(out), [1, 2, 3])
     slot = pool.slots[pool.current_slot]
@@ -281,7 +279,8 @@ def test_async_copy_to_device(device, framework):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"size": 4, "dtype": "complex64"}, TypeError, "complex64"),
+        # complex64 is supported since DLPack complex; a byte-swapped dtype still is not.
+        ({"size": 4, "dtype": ">i4"}, TypeError, ">i4"),
         ({"size": 4, "dtype": object}, TypeError, "unsupported dtype"),
         ({"size": 4.0, "dtype": "int32"}, TypeError, "size"),
         ({"size": True, "dtype": "int32"}, TypeError, "size"),
@@ -410,8 +409,9 @@ class _EventDriver(HostVmmDriver):
 
 def test_guarded_raise_refuses_early_reuse():
     driver = _EventDriver()
-    pool = UvaBufferPool(4, "int32", device="cpu", driver=driver, buffer_cls=UvaBuffer,
-                         guarded="raise")  # fmt: skip
+    pool = UvaBufferPool(
+        4, "int32", device="cpu", driver=driver, buffer_cls=UvaBuffer, guarded="raise"
+    )
     pool.copy_to_uva([1, 1])  # slot 1
     pool.copy_to_uva([2, 2], stream=7)  # slot 0; records slot 1's readers on stream 7
     assert driver.recorded == [7]
@@ -426,8 +426,9 @@ def test_guarded_raise_refuses_early_reuse():
 
 def test_guarded_wait_waits_then_writes():
     driver = _EventDriver()
-    pool = UvaBufferPool(4, "int32", 1, device="cpu", driver=driver, buffer_cls=UvaBuffer,
-                         guarded=True)  # fmt: skip
+    pool = UvaBufferPool(
+        4, "int32", 1, device="cpu", driver=driver, buffer_cls=UvaBuffer, guarded=True
+    )
     pool.copy_to_uva([1])
     pool.copy_to_uva([2])  # one slot: records its readers, then waits for them
     assert driver.waited == [1]
@@ -445,8 +446,7 @@ def test_side_stream_two_in_flight(cuda_device, guarded):
     import torch
 
     steps = 24
-    pool = UvaBufferPool((64, 4), torch.int32, 2, cuda_device, framework="torch",
-                         guarded=guarded)  # fmt: skip
+    pool = UvaBufferPool((64, 4), torch.int32, 2, cuda_device, framework="torch", guarded=guarded)
     tables = [_values(step, 1 + (step * 7) % 64, (4,)) for step in range(steps)]
     side = torch.cuda.Stream(cuda_device)
     done: list[torch.cuda.Event] = []
@@ -522,3 +522,415 @@ def test_torch_inputs_fast_and_slow_paths(device):
         np.testing.assert_array_equal(_to_numpy(out), x.detach().float().numpy())
     with pytest.raises(TypeError, match="complex64"):
         pool.copy_to_uva(torch.zeros((2, 2), dtype=torch.complex64))
+
+
+# -- ownership (issue 12): arrays keep their memory; free() means "done" -----------------------
+def _run_child(code: str, **names) -> None:
+    """Run ``code`` (with ``names`` bound as constants) in a fresh interpreter: it must exit
+    normally (a negative return code is the signal that killed it) and print "ok"."""
+    prelude = "".join(f"{key} = {value!r}\n" for key, value in names.items())
+    command = [sys.executable, "-c", prelude + textwrap.dedent(code)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (
+        f"exit status {result.returncode} (negative: killed by that signal)\n{result.stderr}"
+    )
+    assert result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+
+
+_CHILD_HELPERS = """
+import gc
+import numpy as np
+import jaxbuf
+from jaxbuf.uva import NonUvaBuffer, UvaBackedTensor, UvaBuffer, UvaBufferPool
+
+def values(array):
+    if isinstance(array, np.ndarray):
+        return array.tolist()
+    if hasattr(array, "detach"):
+        return array.detach().cpu().tolist()
+    return np.asarray(array).tolist()
+
+def fill(array, value):
+    if isinstance(array, np.ndarray):
+        array.fill(value)
+    else:
+        array.fill_(value)
+        if DEVICE != "cpu":
+            import torch
+            torch.cuda.synchronize()
+"""
+
+# The issue's reproducer: a tensor from a pool outlives the pool (dropped, closed, its slot
+# replaced by growth, or the UvaBackedTensor around it dropped or closed); a new UvaBuffer
+# must not reuse that memory (the stale tensor read 1001 instead of 5, and fill_(-7) wrote
+# into the new buffer), and nothing may crash.
+_STALE = (
+    _CHILD_HELPERS
+    + """
+framework = "view" if CONSUMER == "numpy" else CONSUMER
+if HOW.startswith("backed"):
+    owner = UvaBackedTensor(4, "int32", 1, DEVICE, framework=framework)
+    owner.np[:] = 5
+    out = owner.copy_to_uva()
+    pool = owner.pool
+else:
+    owner = pool = UvaBufferPool(4, "int32", 1, DEVICE, framework=framework)
+    out = pool.copy_to_uva(np.full(4, 5, np.int32))
+stale = out.to_numpy() if CONSUMER == "numpy" else out
+slot = pool.slots[0]
+address = slot.host_ptr
+del out
+if HOW == "grow":
+    pool.copy_to_uva(np.zeros(5, np.int32))  # one slot: replaced by an 8-row one
+    assert pool.slots[0] is not slot
+elif HOW.endswith("close"):
+    owner.close()
+else:
+    del owner, pool  # dropped without close()
+gc.collect()
+assert slot.live_exports == 1 and not slot.released, (slot.live_exports, slot.released)
+try:
+    slot.view
+    raise AssertionError("a freed slot handed out a view")
+except ValueError:
+    pass
+fresh = [UvaBuffer(4, "int32", DEVICE) for _ in range(16)]
+for buffer in fresh:
+    buffer.np[:] = 1001
+assert address not in {buffer.host_ptr for buffer in fresh}
+assert values(stale) == [5] * 4, values(stale)
+if CONSUMER != "jax":  # JAX arrays are immutable
+    fill(stale, -7)
+    assert values(stale) == [-7] * 4
+assert all(buffer.np.tolist() == [1001] * 4 for buffer in fresh)
+del stale
+owner = pool = None  # a UvaBackedTensor keeps its last array as .gpu
+gc.collect()
+assert slot.released and slot.live_exports == 0
+print("ok")
+"""
+)
+
+
+@pytest.mark.parametrize("how", ["drop", "close", "grow", "backed-drop", "backed-close"])
+@pytest.mark.parametrize("consumer", ["numpy", "torch", "jax"])
+def test_stale_pool_array_keeps_its_memory(device, consumer, how):
+    if consumer == "numpy" and device != "cpu":
+        pytest.skip("numpy reads host memory; a CUDA pool hands out device views")
+    if consumer == "jax":
+        _jax_on(device)
+    _need(consumer)
+    _run_child(_STALE, DEVICE=device, CONSUMER=consumer, HOW=how)
+
+
+# Every sequence of public calls around free() either works or raises; none crashes.
+_MISUSE = {
+    "uva-free-with-exports": """
+        buffer = UvaBuffer(4, "int32", DEVICE)
+        buffer.np[:] = 5
+        kept, view = buffer.np, buffer.uva(2)
+        buffer.free()
+        assert not buffer.released and buffer.live_exports == 1
+        for export in (view.to_numpy, view.__dlpack__, lambda: np.from_dlpack(view)):
+            try:
+                export()
+                raise AssertionError("a view of a freed buffer was exported")
+            except RuntimeError as error:
+                assert "freed" in str(error), error
+        kept[:] = 6
+        assert kept.tolist() == [6] * 4
+        del kept
+        assert buffer.released and buffer.live_exports == 0
+        buffer.free()  # idempotent
+    """,
+    "uva-dropped-with-exports": """
+        buffer = UvaBuffer(4, "int32", DEVICE)
+        buffer.np[:] = 5
+        kept = buffer.np
+        del buffer
+        gc.collect()
+        others = [UvaBuffer(4, "int32", DEVICE) for _ in range(8)]
+        for other in others:
+            other.np[:] = 1001
+        assert kept.tolist() == [5] * 4
+    """,
+    "uva-free-with-torch": """
+        import torch
+        buffer = UvaBuffer(4, "int32", DEVICE)
+        buffer.np[:] = 5
+        device_tensor, host_tensor = buffer.torch_device_tensor, buffer.cpu
+        buffer.free()
+        assert not buffer.released
+        device_tensor.add_(1)
+        if DEVICE != "cpu":
+            torch.cuda.synchronize()
+        assert values(host_tensor) == [6] * 4 and values(device_tensor) == [6] * 4
+        del device_tensor
+        assert not buffer.released
+        del host_tensor
+        assert buffer.released
+        try:
+            buffer.view.to_torch()
+            raise AssertionError("a freed buffer handed out a view")
+        except ValueError:
+            pass
+    """,
+    "uva-free-with-jax": """
+        import jax, jax.numpy as jnp
+        buffer = UvaBuffer(4, "int32", DEVICE)
+        buffer.np[:] = 5
+        array = buffer.jax_device_array
+        view = buffer.view
+        buffer.free()
+        assert not buffer.released
+        assert int(jax.jit(jnp.sum)(array)) == 20 and np.asarray(array).tolist() == [5] * 4
+        try:
+            view.to_jax()
+            raise AssertionError("a view of a freed buffer was exported to JAX")
+        except RuntimeError:
+            pass
+        del array
+        gc.collect()
+        assert buffer.released
+    """,
+    "non-uva-free-with-torch": """
+        buffer = NonUvaBuffer(4, "int32", DEVICE)
+        buffer.np[:] = 5
+        tensor = buffer.uva().to_torch()
+        view = buffer.uva(2)
+        buffer.free()
+        assert not buffer.released and buffer.live_exports == 1
+        assert values(tensor) == [5] * 4
+        try:
+            view.to_torch()
+            raise AssertionError("a view of a freed buffer was exported")
+        except RuntimeError:
+            pass
+        del tensor
+        assert buffer.released
+    """,
+    "non-uva-dropped-with-torch": """
+        buffer = NonUvaBuffer(4, "int32", DEVICE)
+        buffer.np[:] = 5
+        tensor = buffer.uva().to_torch()
+        del buffer
+        gc.collect()
+        assert values(tensor) == [5] * 4
+    """,
+    "pool-view-after-close": """
+        pool = UvaBufferPool(4, "int32", device=DEVICE)
+        view = pool.copy_to_uva([1, 2])
+        pool.close()
+        try:
+            view.__dlpack__()
+            raise AssertionError("a view of a closed pool was exported")
+        except RuntimeError:
+            pass
+        try:
+            pool.copy_to_uva([1])
+            raise AssertionError("a closed pool copied")
+        except ValueError:
+            pass
+    """,
+}
+
+
+@pytest.mark.parametrize("case", list(_MISUSE))
+def test_misuse_works_or_raises(device, case):
+    if "torch" in case:
+        _need("torch")
+    if "jax" in case:
+        _jax_on(device)
+    _run_child(_CHILD_HELPERS + textwrap.dedent(_MISUSE[case]) + "print('ok')\n", DEVICE=device)
+
+
+def _counting_driver():
+    from jaxbuf.testing import FaultInjectingDriver
+
+    return FaultInjectingDriver(HostVmmDriver())
+
+
+def test_no_reference_cycle_keeps_memory():
+    # slot -> cached tensor -> capsule -> anchor -> block leads back to no slot or pool: with
+    # the cycle collector off, reference counting alone frees everything.
+    import gc
+    import weakref
+
+    _need("torch")
+    # Warm up first: torch's first import (inside the adapter) leaves frames alive for a while.
+    UvaBuffer(4, "int32", "cpu").torch_device_tensor
+    driver = _counting_driver()
+    gc.collect()
+    gc.disable()
+    try:
+        pool = UvaBufferPool((4, 2), "int32", 2, "cpu", framework="torch", driver=driver)
+        kept = pool.copy_to_uva(np.ones((3, 2), np.int32))
+        pool.copy_to_uva(np.ones((2, 2), np.int32))
+        pool.slots[0].uva(1), pool.slots[0].cpu, pool.slots[0].torch_device_tensor
+        dead = weakref.ref(pool)
+        del pool
+        assert dead() is None
+        assert len(driver.pinned) == 1  # the slot behind `kept`
+        del kept
+        assert not driver.pinned
+        buffer = UvaBuffer(4, "int32", "cpu", driver=driver)
+        buffer.uva(2), buffer.torch_device_tensor, buffer.cpu, buffer.view
+        del buffer
+        assert not driver.pinned
+        fallback = NonUvaBuffer(4, "int32", "cpu", driver=driver)
+        fallback.uva(2), fallback.torch_device_tensor
+        del fallback
+        assert not driver.reservations and not driver.mapped
+    finally:
+        gc.enable()
+    driver.assert_clean()
+
+
+def test_free_quiesces_frameworks_before_releasing(monkeypatch):
+    from jaxbuf import interop
+
+    calls = []
+    monkeypatch.setattr(interop, "quiesce", calls.append, raising=False)
+    buffer = UvaBuffer(4, "int32", "cpu")
+    kept = buffer.np
+    buffer.free()
+    assert calls == []  # nothing released yet: the numpy array holds the memory
+    del kept
+    assert buffer.released
+    buffer = UvaBuffer(4, "int32", "cpu")
+    buffer.free()
+    assert [device.platform for device in calls] == ["cpu"]
+    pool = UvaBufferPool(4, "int32", 3, "cpu")
+    pool.close()
+    assert len(calls) == 2  # once for the pool, not once per slot
+    pool = UvaBufferPool(4, "int32", 3, "cpu")
+    del pool  # dropped: released for the collector, which calls no framework
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("cls", [UvaBuffer, NonUvaBuffer])
+def test_failed_release_is_retried(cls):
+    driver = _counting_driver()
+    buffer = cls(4, "int32", "cpu", driver=driver)
+    driver.fail_on("host_free" if cls is UvaBuffer else "free_reserved")
+    with pytest.raises(DriverError):
+        buffer.free()
+    buffer.free()
+    assert buffer.released
+    driver.assert_clean()
+
+
+# -- pickling and copying owners ----------------------------------------------------------------
+def _owner(kind):
+    if kind == "UvaBuffer":
+        return UvaBuffer(4, "int32", "cpu")
+    if kind == "NonUvaBuffer":
+        return NonUvaBuffer(4, "int32", "cpu")
+    if kind == "UvaBufferPool":
+        return UvaBufferPool(4, "int32", device="cpu")
+    return UvaBackedTensor(4, "int32", device="cpu")
+
+
+@pytest.mark.parametrize("how", ["pickle", "copy", "deepcopy"])
+@pytest.mark.parametrize("kind", ["UvaBuffer", "NonUvaBuffer", "UvaBufferPool", "UvaBackedTensor"])
+def test_owners_refuse_pickle_and_copy(kind, how):
+    import copy
+    import pickle
+
+    owner = _owner(kind)
+    operation = {"pickle": pickle.dumps, "copy": copy.copy, "deepcopy": copy.deepcopy}[how]
+    with pytest.raises(TypeError, match=f"a {kind} cannot be pickled or copied: it owns memory"):
+        operation(owner)
+    owner.close()
+
+
+# -- bad input, bounded ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("pool_dtype", "bad", "match"),
+    [
+        ("int32", np.array([[1, 2**31, 3]]), r"2147483648\)? at index 1 is out of range for int32"),
+        ("int32", [[1, 2, -(2**31) - 1]], r"-2147483649\)? at index 2 is out of range for int32"),
+        ("int8", np.array([[1, 2, 200]], np.int16), r"200\)? at index 2 is out of range for int8"),
+        ("int64", np.array([[2**63, 0, 0]], np.uint64), r"9223372036854775808\)? .* for int64"),
+        (
+            "uint8",
+            np.array([[1, 2, 256]], np.uint16),
+            r"256\)? at index 2 is out of range for uint8",
+        ),
+        ("float32", np.array([[1.0, 1e300, 0.0]]), r"1e\+300\)? at index 1 overflows float32"),
+        (
+            "float16",
+            np.array([[7e4, 0, 0]], np.float32),
+            r"70000.0\)? at index 0 overflows float16",
+        ),
+    ],
+)
+def test_copy_to_uva_refuses_values_that_do_not_fit(pool_dtype, bad, match):
+    pool = UvaBufferPool((4, 3), pool_dtype, device="cpu")
+    pool.copy_to_uva(np.ones((2, 3), pool_dtype))
+    before = [slot.np.copy() for slot in pool.slots]
+    current = pool.current_slot
+    with pytest.raises(ValueError, match=match):
+        pool.copy_to_uva(bad)
+    assert pool.current_slot == current
+    for slot, saved in zip(pool.slots, before):
+        np.testing.assert_array_equal(slot.np, saved)
+    pool.close()
+
+
+@pytest.mark.parametrize(
+    ("pool_dtype", "good"),
+    [
+        ("int32", np.array([[1, 2**31 - 1, -(2**31)]])),  # int64 within int32's range
+        ("int32", [[1, 2, 3]]),
+        ("int32", np.array([[True, False, True]])),
+        ("float32", np.array([[1.5, -3e38, np.nan]])),
+        ("float32", np.array([[np.inf, -np.inf, 3.4028235e38]])),  # infinities stay infinite
+        ("float32", np.array([[1, 2**40, 3]])),  # ints round into a float pool
+        ("uint8", np.array([[0, 255, 7]], np.uint16)),
+    ],
+)
+def test_copy_to_uva_narrows_values_that_fit(pool_dtype, good):
+    pool = UvaBufferPool((4, 3), pool_dtype, device="cpu")
+    out = pool.copy_to_uva(good)
+    np.testing.assert_array_equal(out.to_numpy(), np.asarray(good).astype(pool_dtype))
+    pool.close()
+
+
+def test_copy_to_uva_refuses_torch_values_that_do_not_fit():
+    _need("torch")
+    import torch
+
+    pool = UvaBufferPool(4, "int32", device="cpu", framework="torch")
+    with pytest.raises(ValueError, match=r"4294967296\)? at index 0 is out of range for int32"):
+        pool.copy_to_uva(torch.tensor([2**32, 1], dtype=torch.int64))
+    assert pool.copy_to_uva(torch.tensor([7, 1], dtype=torch.int64)).tolist() == [7, 1]
+
+
+def test_pool_counts_are_bounded_before_allocating():
+    import time
+
+    from jaxbuf.uva import MAX_CONCURRENCY
+    from jaxbuf.uva._memory import _physical_memory_bytes
+
+    driver = _counting_driver()
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"at most 1024 .* got 1099511627776"):
+        UvaBufferPool(4, "int32", 2**40, "cpu", driver=driver)
+    with pytest.raises(ValueError, match=f"at most {MAX_CONCURRENCY}"):
+        UvaBufferPool(4, "int32", MAX_CONCURRENCY + 1, "cpu", driver=driver)
+    physical = _physical_memory_bytes()
+    # Each slot would fit the host's RAM; all of them together would not.
+    half = physical // 2 + 1
+    with pytest.raises(ValueError, match="physical memory: pinned memory stays resident"):
+        UvaBufferPool(half, "uint8", 2, "cpu", driver=driver)
+    for make in (UvaBuffer, NonUvaBuffer):
+        with pytest.raises(ValueError, match=f"{physical + 1} bytes of host memory"):
+            make(physical + 1, "uint8", "cpu", driver=driver)
+    with pytest.raises(ValueError, match="physical memory"):
+        UvaBackedTensor((physical // 8 + 1, 8), "uint8", 1, "cpu", driver=driver)
+    assert time.perf_counter() - start < 5
+    assert driver.call_count == 0  # refused before any allocation
+    with UvaBufferPool(1, "int32", MAX_CONCURRENCY, "cpu", driver=driver) as pool:
+        assert len(pool.slots) == MAX_CONCURRENCY
+    driver.assert_clean()

@@ -206,7 +206,7 @@ def test_consumers_alias_the_same_bytes(framework):
 
 
 def test_typed_views_through_frameworks(framework):
-    data = np.arange(8, dtype=np.int32)
+    data = aligned(np.arange(8, dtype=np.int32))  # JAX imports in place only at 64 bytes
     view = host_view(data)
     if framework == "torch":
         import torch
@@ -290,7 +290,8 @@ def test_thousands_of_jax_imports_and_a_donated_array():
         """
         import numpy as np, jax, jax.numpy as jnp
         from jaxbuf.views import BufferView
-        data = np.zeros(1024, np.float32)
+        raw = np.zeros(4096 + 64, np.uint8)  # to_jax imports in place only at 64 bytes
+        data = raw[-raw.ctypes.data % 64 :][:4096].view(np.float32)
         view = BufferView(data.ctypes.data, data.nbytes, "float32", owner=data)
         for _ in range(5000):
             jax.dlpack.from_dlpack(view)        # each import ends in the capsule's deleter
@@ -309,11 +310,113 @@ def test_views_alive_at_interpreter_exit():
         """
         import numpy as np, torch, jax
         from jaxbuf.views import BufferView
-        data = np.ones(256, np.float32)
+        raw = np.ones(1024 + 64, np.uint8)  # to_jax imports in place only at 64 bytes
+        data = raw[-raw.ctypes.data % 64 :][:1024].view(np.float32)
         view = BufferView(data.ctypes.data, data.nbytes, "float32", owner=data)
-        keep = [view.to_torch(), view.to_jax(), view.__dlpack__(), view.__dlpack__(max_version=(1, 0))]
+        keep = [view.to_torch(), view.to_jax(), view.__dlpack__(),
+                view.__dlpack__(max_version=(1, 0))]
         print("ok")
         """
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+# -- to_jax: zero-copy or BufferError, never a silent copy (issue 12, item 5) -----------------
+
+
+@pytest.mark.parametrize("offset", [4, 16, 48])
+def test_to_jax_refuses_a_view_jax_would_copy(offset):
+    pytest.importorskip("jax")
+    data = aligned(np.arange(64, dtype=np.float32), 64)
+    view = BufferView(data.ctypes.data + offset, 128, "float32", owner=data)
+    with pytest.raises(BufferError, match=f"{offset} bytes past a 64-byte boundary") as caught:
+        view.to_jax()
+    assert f"{view.ptr:#x}" in str(caught.value)
+    in_place = host_view(data).to_jax()  # aligned: imported where it is
+    assert in_place.unsafe_buffer_pointer() == data.ctypes.data
+
+
+def test_to_jax_refuses_64_bit_dtypes_jax_would_narrow():
+    jax = pytest.importorskip("jax")
+    data = aligned(np.arange(8, dtype=np.int64))
+    view = host_view(data)
+    with jax.enable_x64(False), pytest.raises(BufferError, match="jax_enable_x64"):
+        view.to_jax()
+    with jax.enable_x64(True):
+        array = view.to_jax()
+        assert array.dtype == np.int64 and array.unsafe_buffer_pointer() == data.ctypes.data
+        assert array.tolist() == list(range(8))
+
+
+def test_to_jax_of_an_empty_view_needs_no_alignment():
+    pytest.importorskip("jax")
+    data = aligned(np.zeros(16, np.uint8), 64)
+    assert BufferView(data.ctypes.data + 4, 0, "uint8", owner=data).to_jax().shape == (0,)
+
+
+# -- __dlpack__(copy=True) on a device: memory through the driver, not a buffer module -------
+
+
+def test_device_copy_memory_is_a_released_one_chunk_reservation():
+    from jaxbuf._reservation import committed_buffer
+    from jaxbuf.drivers import get_vmm_driver
+    from jaxbuf.testing import FaultInjectingDriver
+
+    driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+    memory = committed_buffer(driver, 5000, 0, "DLPack copy")
+    assert memory.num_chunks == 1 and memory.physical_bytes >= 5000
+    ctypes.memset(memory.base_ptr, 0x5A, 5000)  # mapped and writable
+    anchor = _dlpack.ExportAnchor(memory)
+    del memory
+    assert not anchor.target.released
+    del anchor  # the capsule's anchor was the last holder: the memory goes with it
+    driver.assert_clean()
+    for kind in ("reserve", "create", "map", "set_access"):
+        driver.fail_on(kind)
+        with pytest.raises(Exception, match="INJECTED_FAULT"):
+            committed_buffer(driver, 5000, 0, "DLPack copy")
+        driver.assert_clean()  # rolled back at once, nothing left for the collector
+
+
+def test_views_import_no_buffer_module():
+    import ast
+    import pathlib
+
+    import jaxbuf.views
+
+    tree = ast.parse(pathlib.Path(jaxbuf.views.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+            imported.update(alias.name for alias in node.names)  # from . import extensible
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+    buffers = ("extensible", "uva", "staged", "sharing", "fused")
+    assert not [m for m in imported if m.rpartition(".")[2] in buffers], imported
+
+
+def test_a_device_copy_lives_in_driver_memory_owned_by_its_capsule():
+    """``__dlpack__(copy=True)`` on a device view copies into memory from the driver (a
+    committed virtual buffer), kept by the capsule alone: exercised here with the CPU driver
+    standing in for the device."""
+    import gc
+
+    from jaxbuf import views
+    from jaxbuf.extensible import ExtensibleTensor
+
+    tensor = ExtensibleTensor(2 << 20, device="cpu")
+    tensor.resize_per_segment_(4096)
+    view = tensor.segment_view(0)
+    view.to_numpy()[:] = np.arange(4096) % 251
+    # kDLCUDA (2): the device branch; the capsule is never consumed, only its bytes read.
+    capsule = views._copy_capsule(view, 2, 0, versioned=False)
+    data = ctypes.c_uint64.from_address(_get_pointer(capsule, b"dltensor")).value
+    assert data != view.ptr
+    tensor.free()  # the copy is the capsule's, not the tensor's
+    assert tensor.released
+    copied = np.ctypeslib.as_array((ctypes.c_uint8 * 4096).from_address(data))
+    np.testing.assert_array_equal(copied, np.arange(4096) % 251)
+    del copied, capsule
+    gc.collect()

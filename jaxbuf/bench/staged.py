@@ -334,7 +334,7 @@ def overlap_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
 
         def _row_segments(self, i, num_groups, num_writes, event):
             address, _ = super()._row_segments(i, num_groups, num_writes, event)
-            self._segment_buffers[i].np[:2] = (0, num_writes)
+            self._slots[i].segments.np[:2] = (0, num_writes)
             return address, 1
 
     # On the CPU the kernel runs under Triton's interpreter: few writes, few repeats.

@@ -4,10 +4,10 @@ Subcommands:
 
 * ``info``: platform, which drivers work here (and why not), library versions, granule sizes;
 * ``bench``: the benchmark suites of :mod:`jaxbuf.bench`, a table per suite whose title
-  states the sizes run, a JSON result file and, with ``--plot``, a PNG of growth cost
-  against committed size. A suite whose optional dependency (torch, JAX, Triton) is missing
-  is skipped with its reason; a row whose baseline was skipped is not judged against its
-  target;
+  states the sizes run, a JSON result file and, with ``--plot``, PNGs of growth cost
+  against committed size and of the decode loop's memory and step time. A suite whose
+  optional dependency (torch, JAX, Triton) is missing is skipped with its reason; a row whose
+  baseline was skipped is not judged against its target;
 * ``demo``: a terminal walkthrough: grow a buffer four times, seeing the same bytes from torch
   and JAX; then the worked example of notebook 4 (:mod:`jaxbuf.demo`), a toy decode loop over a
   growing paged KV cache, with a progress bar and a summary table.
@@ -53,8 +53,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         nargs="?",
         const=_bench.PLOT_DEFAULT,
-        help="also write a PNG of growth cost against committed size "
-        "(default path: results/growth-<device>.png)",
+        help="also write PNGs: growth cost against committed size, and the decode loop's "
+        "memory and step time (default paths: results/growth-<device>.png, "
+        "results/decode-<device>.png; with PATH, the first goes there and the other beside "
+        "it as <stem>-decode.png)",
     )
     bench.add_argument(
         "--only",

@@ -1,5 +1,6 @@
 """``jaxbuf bench``: run the suites of :mod:`jaxbuf.bench`, print a table per suite (its
-title states the sizes run), write the JSON result and, with ``--plot``, the growth plot.
+title states the sizes run), write the JSON result and, with ``--plot``, the plots: growth
+cost (``extensible.growth``) and the decode loop's memory and step time (``jax.decode``).
 
 A suite whose optional dependency is missing is skipped with its reason (never a traceback
 or ``FAILED``); a row whose baseline was skipped is shown "not judged" instead of
@@ -28,7 +29,8 @@ from ._shared import (
     versions,
 )
 
-#: ``--plot`` given without a path: write ``results/growth-<device>.png``.
+#: ``--plot`` given without a path: write ``results/growth-<device>.png`` and
+#: ``results/decode-<device>.png``.
 PLOT_DEFAULT = object()
 
 
@@ -41,8 +43,21 @@ def _default_json_path(device: Any) -> Path:
     return Path("results") / f"bench-{_device_file_name(device)}.json"
 
 
-def _default_plot_path(device: Any) -> Path:
-    return Path("results") / f"growth-{_device_file_name(device)}.png"
+def _default_plot_path(device: Any, kind: str = "growth") -> Path:
+    return Path("results") / f"{kind}-{_device_file_name(device)}.png"
+
+
+def _plot_paths(plot: Any, device: Any, kinds: list[str]) -> dict[str, Path]:
+    """Where each plot of ``kinds`` (those with rows to draw, growth first) goes: the default
+    paths, or the ``--plot`` path for the first and ``<stem>-<kind><suffix>`` beside it for
+    the others."""
+    if plot is PLOT_DEFAULT:
+        return {kind: _default_plot_path(device, kind) for kind in kinds}
+    path = Path(plot)
+    return {
+        kind: path if i == 0 else path.with_name(f"{path.stem}-{kind}{path.suffix or '.png'}")
+        for i, kind in enumerate(kinds)
+    }
 
 
 def _row_cells(row: Any) -> list[str]:
@@ -122,6 +137,73 @@ def _plot_growth(results: list[dict[str, Any]], path: Path, device: Any) -> bool
     return True
 
 
+def _decode_series(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The params of the ``jax.decode`` rows that carry per-step series, one per profile."""
+    return [
+        row["params"]
+        for result in results
+        for row in result["rows"]
+        if row["params"].get("kind") == "decode-step" and row["params"].get("series")
+    ]
+
+
+def _plot_decode(results: list[dict[str, Any]], path: Path, device: Any) -> bool:
+    """PNG of the decode loop (``jax.decode``): for each length profile, the bytes the KV
+    cache holds and the time of every step, jaxbuf beside the preallocated cache and
+    realloc+copy. False: no data."""
+    profiles = _decode_series(results)
+    if not profiles:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {
+        "jaxbuf": "jaxbuf ExtensibleTensor",
+        "preallocated": "JAX, preallocated",
+        "realloc": "JAX, realloc+copy",
+    }
+    columns = len(profiles)
+    figure, axes = plt.subplots(2, columns, figsize=(6 * columns, 8), squeeze=False)
+    for column, params in enumerate(profiles):
+        memory, time_axis = axes[0][column], axes[1][column]
+        for variant, series in params["series"].items():
+            label = labels.get(variant, variant)
+            steps = range(len(series["step_s"]))
+            memory.plot(steps, [b / 2**20 for b in series["held_bytes"]], label=label)
+            time_axis.plot(steps, [s * 1e3 for s in series["step_s"]], label=label, lw=0.8)
+        if params.get("needed_bytes"):
+            needed = [b / 2**20 for b in params["needed_bytes"]]
+            memory.plot(range(len(needed)), needed, "k:", label="pages the tokens use")
+        memory.set_title(f"{params['profile']} lengths on {device}: KV cache memory")
+        memory.set_ylabel("bytes held (MiB)")
+        time_axis.set_title(f"{params['profile']} lengths on {device}: step time")
+        time_axis.set_ylabel("step (ms)")
+        time_axis.set_ylim(bottom=0)
+        for axis in (memory, time_axis):
+            axis.set_xlabel("decode step")
+            axis.grid(True, which="both", alpha=0.3)
+            axis.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+_PLOTTERS = {"growth": _plot_growth, "decode": _plot_decode}
+
+
+def _has_growth_rows(results: list[dict[str, Any]]) -> bool:
+    """Whether ``results`` hold a measured ``extensible.growth`` row (what _plot_growth draws)."""
+    return any(
+        {"committed_bytes", "step_bytes"} <= row["params"].keys() and row["median_s"] is not None
+        for result in results
+        for row in result["rows"]
+    )
+
+
 def _run_suite(suite: Any, device: Any, quick: bool, progress: Progress) -> dict[str, Any]:
     """Run one suite: its rows, the sizes it states, and why it was skipped or failed."""
     from jaxbuf.bench import SuiteSkipped
@@ -163,10 +245,8 @@ def run(args: argparse.Namespace) -> int:
     # is emptied between samples. Set before JAX starts; a user's setting wins.
     os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
     device = resolve_device(args.device)
-    plot_path = None
     if args.plot is not None:
         require("matplotlib", "--plot")
-        plot_path = _default_plot_path(device) if args.plot is PLOT_DEFAULT else Path(args.plot)
     from jaxbuf import bench
 
     try:
@@ -240,12 +320,15 @@ def run(args: argparse.Namespace) -> int:
     if skipped:
         out.line(f"skipped (a dependency is missing): {', '.join(skipped)}")
     out.line(f"results: {json_path}")
-    if plot_path is not None:
-        if _plot_growth(serial, plot_path, device):
-            out.line(f"plot: {plot_path}")
-        else:
+    if args.plot is not None:
+        present = {"growth": _has_growth_rows(serial), "decode": bool(_decode_series(serial))}
+        kinds = [kind for kind, has_rows in present.items() if has_rows]
+        for kind, path in _plot_paths(args.plot, device, kinds).items():
+            if _PLOTTERS[kind](serial, path, device):
+                out.line(f"plot: {path}")
+        if not kinds:
             print(
-                "jaxbuf: warning: no growth rows to plot (run the extensible.growth suite)",
+                "jaxbuf: warning: no rows to plot (run the extensible.growth or jax.decode suite)",
                 file=sys.stderr,
             )
     return 1 if any(r["error"] for r in results) else 0

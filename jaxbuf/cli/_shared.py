@@ -60,13 +60,17 @@ class Printer:
         show_header = any(columns)
         if self.console is not None:
             import rich.table
+            import rich.text
 
-            table = rich.table.Table(title=title, title_justify="left", show_header=show_header)
+            # Cells are plain text: a row name such as "a.at[r, c].set(v)" is not rich markup.
+            table = rich.table.Table(
+                title=rich.text.Text(title), title_justify="left", show_header=show_header
+            )
             for i, column in enumerate(columns):
                 justify = "right" if i in right else "left"
                 table.add_column(column, justify=justify, overflow="fold")
             for row in rows:
-                table.add_row(*row)
+                table.add_row(*(rich.text.Text(str(cell)) for cell in row))
             self.console.print(table)
             return
         widths = [max(len(str(c)) for c in column) for column in zip(columns, *rows)]

@@ -241,6 +241,29 @@ class VmmDriver(abc.ABC):
     def event_synchronize(self, event: Any) -> None:
         """Block the calling thread until the work before ``event`` is done."""
 
+    # -- kernels --------------------------------------------------------------------
+    def launch_kernel(
+        self,
+        function: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared: int,
+        stream: Any,
+        args: int,
+    ) -> None:
+        """Enqueue the loaded kernel ``function`` (CUDA: a ``CUfunction`` or its address) on
+        ``stream`` (a raw stream handle: 0 the legacy default stream, as the launch API
+        takes it), in the calling thread's current context.
+
+        ``grid`` / ``block`` count programs and threads per dimension, ``shared`` is the
+        dynamic shared memory in bytes, ``args`` the address of an array of pointers to
+        each parameter's value (``cuLaunchKernel``'s ``kernelParams``); the values are
+        copied during the call, so the caller may rewrite them once it returns.
+
+        The default raises ``NotImplementedError``: a platform without kernels (the CPU).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot launch kernels")
+
     # -- pinned host memory ---------------------------------------------------------
     @abc.abstractmethod
     def host_alloc(self, size: int, device_index: int) -> tuple[int, int]:

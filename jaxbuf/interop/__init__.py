@@ -47,6 +47,7 @@ __all__ = [
     "get",
     "loaded_module",
     "names",
+    "quiesce",
     "register",
     "release_framework_caches",
     "unregister",
@@ -147,6 +148,13 @@ class FrameworkAdapter(Protocol):
         """A driver ran out of memory: return the framework's cached device memory. True when
         something was released (so a retry may succeed). Never imports the framework."""
 
+    # Optional (not required by register; :class:`Adapter` has a no-op default):
+    #
+    # def quiesce(self, device) -> None:
+    #     Block until work this framework has queued that may touch memory on ``device``
+    #     (a :class:`~jaxbuf.devices.Device`) is done; called by :func:`quiesce` before an
+    #     owner releases memory. Never imports the framework, never initialises a platform.
+
 
 class Adapter:
     """Defaults for the optional members of :class:`FrameworkAdapter`; subclass it and
@@ -206,6 +214,9 @@ class Adapter:
 
     def on_out_of_memory(self) -> bool:
         return False
+
+    def quiesce(self, device: Any) -> None:
+        """Nothing to wait for (a framework without asynchronous work)."""
 
 
 # -- the registry -----------------------------------------------------------------------------
@@ -400,6 +411,22 @@ def release_framework_caches() -> bool:
     for adapter in _active():
         released = bool(adapter.on_out_of_memory()) or released
     return released
+
+
+def quiesce(device: Any) -> None:
+    """Wait until no framework has work queued that may still touch memory on ``device``.
+
+    Owners call this before they release memory (``ExtensibleTensor.free()``): JAX dispatches
+    asynchronously, so a step over an imported (or donated) array may still run when the
+    Python call returning its result is done, on the CPU as on a GPU. Asks every adapter whose
+    framework the process has imported (:meth:`Adapter.quiesce`: JAX waits for its pending
+    computations on the device's platform, torch synchronizes the CUDA device once it has
+    initialised CUDA). Never imports a framework; errors propagate.
+    """
+    for adapter in _active():
+        wait = getattr(adapter, "quiesce", None)  # optional for registered adapters
+        if wait is not None:
+            wait(device)
 
 
 _load_builtin("numpy")

@@ -199,5 +199,14 @@ class TorchAdapter(Adapter):
         torch.cuda.empty_cache()
         return True
 
+    def quiesce(self, device: Any) -> None:
+        """``torch.cuda.synchronize(device)``: torch's queued kernels on a CUDA ``device`` may
+        still touch memory about to be released. Only where torch has initialised CUDA (else
+        it has queued nothing); on the host torch runs nothing asynchronously."""
+        torch = loaded_module("torch")
+        if torch is None or not device.is_cuda or not torch.cuda.is_initialized():
+            return
+        torch.cuda.synchronize(device.index)
+
 
 ADAPTER = TorchAdapter()

@@ -1,0 +1,134 @@
+"""Launching a packed apply: the three kernel launchers, the stream, and the applied event.
+
+A :class:`~jaxbuf.fused.FusedStagedWriter` picks one launcher when it is made
+(:func:`make_launcher`); every launcher has the one signature::
+
+    launch(write_table_addr, group_table_addr, contents_addr, num_writes, serial, raw_stream,
+           write_table_np, group_table_np, segments=0, num_segments=0)
+
+* ``numpy``: :func:`jaxbuf.kernels.apply_staged_writes_numpy` on the host tables (CPU only,
+  chosen explicitly with ``backend="numpy"``);
+* interpreted: the Triton kernel under Triton's interpreter (the CPU with ``backend="triton"``);
+* compiled: :class:`jaxbuf.kernels.staged_write.CompiledLauncher`, the cached compiled kernel
+  launched on a raw CUDA stream: one ``cuLaunchKernel`` through the driver seam
+  (:meth:`~jaxbuf.drivers.base.VmmDriver.launch_kernel`) with a prepacked argument buffer, or
+  Triton's launcher where that is unavailable (its ``fallback_reason`` says why).
+
+The tables live in a pinned slot the device reads in place, so launchers get device-visible
+addresses; the host launchers also get numpy views of the same tables. ``serial`` asks for
+the writes of one row to run in order (overlapping writes: later wins), with ``segments`` the
+device address of ``num_segments + 1`` int64 row-run bounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import interop
+from ._lifetime import release_when_collected
+from .devices import Device
+from .drivers.base import VmmDriver
+
+__all__ = ["AppliedEvent", "BLOCK_SIZE", "make_launcher", "raw_stream"]
+
+BLOCK_SIZE = 1024  # elements one kernel program copies per step; longer writes loop
+
+Launcher = Callable[..., None]
+
+
+def make_launcher(backend: str, device: Device, driver: VmmDriver | None = None) -> Launcher:
+    """The launcher for ``backend`` (checked by the caller) on ``device``; on CUDA it launches
+    through ``driver`` (default: the device's shared driver)."""
+    if backend == "numpy":
+        from .kernels import apply_staged_writes_numpy
+
+        def launch_numpy(
+            wt,
+            gt,
+            contents,
+            num_writes,
+            serial,
+            raw_stream,
+            wt_np,
+            gt_np,
+            segments=0,
+            num_segments=0,
+        ):
+            # In table order: row-grouped serial tables keep each row's order, so later wins.
+            apply_staged_writes_numpy(wt_np, gt_np, contents, num_writes)
+
+        return launch_numpy
+    if not device.is_cuda:
+        from .kernels import IntsAt, apply_staged_writes
+
+        def launch_interpreted(
+            wt,
+            gt,
+            contents,
+            num_writes,
+            serial,
+            raw_stream,
+            wt_np,
+            gt_np,
+            segments=0,
+            num_segments=0,
+        ):
+            bounds = IntsAt(segments, num_segments + 1) if serial else None
+            apply_staged_writes(
+                wt,
+                gt,
+                contents,
+                num_writes,
+                serial=serial,
+                segments=bounds,
+                block_size=BLOCK_SIZE,
+                interpret=True,
+            )
+
+        return launch_interpreted
+    from .kernels.staged_write import CompiledLauncher
+
+    return CompiledLauncher(device.index, block_size=BLOCK_SIZE, driver=driver)
+
+
+def raw_stream(stream: Any, device: Device) -> int:
+    """The CUDA stream handle to launch on: ``stream``'s, or the current stream of the loaded
+    framework that has one (torch's: :func:`jaxbuf.interop.current_stream`), 0 for the legacy
+    default stream."""
+    if stream is None:
+        dlpack_stream = interop.current_stream(device)
+        # DLPack numbers the legacy default stream 1; CUDA's handle for it is 0. Any other
+        # number (2, the per-thread stream, or a handle) is the CUDA handle itself.
+        return 0 if dlpack_stream == interop.DLPACK_LEGACY_STREAM else dlpack_stream
+    handle = getattr(stream, "cuda_stream", stream)
+    if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
+        raise TypeError(
+            f"stream must be a torch.cuda.Stream or a CUDA stream handle, got {stream!r}"
+        )
+    return handle
+
+
+class AppliedEvent:
+    """A driver event recorded after one apply's launch, on DLPack stream ``stream``.
+
+    Shared by the tensors the launch wrote (their ready event) and the staging slot it read
+    (reused only once the event is done); destroyed when the last of them lets go.
+    """
+
+    __slots__ = ("handle", "stream", "_driver")
+
+    def __init__(self, driver: VmmDriver, handle: Any, stream: int) -> None:
+        self.handle = handle
+        self.stream = stream
+        self._driver = driver
+
+    def wait(self) -> None:
+        """Block until the work before the event is done."""
+        if not self._driver.event_query(self.handle):
+            self._driver.event_synchronize(self.handle)
+
+    def __del__(self, _release: Any = release_when_collected) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            _release(lambda: self._driver.destroy_event(handle), "a CUDA event")

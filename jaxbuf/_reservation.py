@@ -1,0 +1,364 @@
+"""The virtual buffer: one address reservation, and the physical chunks mapped into it.
+
+This is the allocation under an :class:`~jaxbuf.extensible.ExtensibleTensor` (and under a
+device copy made for ``BufferView.__dlpack__(copy=True)``): it reserves address space once,
+commits byte ranges by creating, mapping and granting chunks (all or nothing: a failure rolls
+back what the call created), drops them again (:meth:`VirtualBuffer.release_physical`) and
+gives everything back (:meth:`VirtualBuffer.release`, or its ``__del__``). Segments, views and
+the ownership rules live above it; defragmenting is mixed in from :mod:`jaxbuf._defragment`.
+
+It imports the driver seam and leaf helpers only, so any layer above the drivers may allocate
+through it without importing a buffer module.
+"""
+
+from __future__ import annotations
+
+import itertools
+from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
+from typing import Any
+
+from jaxbuf._defragment import Defragmenting
+from jaxbuf._errors import attempt, raise_first
+from jaxbuf._intervals import IntervalSet
+from jaxbuf._lifetime import release_when_collected
+from jaxbuf.drivers.base import VmmDriver
+
+__all__ = ["MIN_GRANULARITY", "VirtualBuffer", "commit_granule", "committed_buffer", "round_up"]
+
+# Commit granule floor. Committing in 2 MiB units keeps the number of driver
+# allocations (and mappings) small, and matches the large-page size on x86 and the
+# CUDA granularity on most GPUs.
+MIN_GRANULARITY = 2 * 1024 * 1024
+
+
+def round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def commit_granule(driver: VmmDriver, device_index: int) -> int:
+    """The commit granule on ``device_index``: the driver granularity floored at
+    :data:`MIN_GRANULARITY` (rounded up to a multiple of the driver granularity)."""
+    driver_granularity = driver.granularity(device_index)
+    return round_up(max(driver_granularity, MIN_GRANULARITY), driver_granularity)
+
+
+class VirtualBuffer(Defragmenting):
+    """One reservation and the physical chunks mapped into it: the allocation an
+    :class:`~jaxbuf.extensible.ExtensibleTensor` owns (its ``OwnedAllocation``, see
+    :mod:`jaxbuf._owner`), kept alive by the tensor and by every export of its memory.
+
+    Invariants (between calls):
+
+    * ``_chunks`` is sorted by offset, chunks are disjoint, each was created, mapped and
+      granted access as a whole; ``_chunk_offsets`` mirrors their offsets for bisection.
+    * ``_committed`` (granule-aligned byte offsets) is exactly the union of the chunks,
+      so no granule is mapped without access, and no recorded granule lacks memory.
+    * ``_physical_bytes`` equals the summed chunk sizes.
+
+    The one exception is a double fault (a rollback ``unmap`` that itself fails): the
+    chunk stays tracked (in ``_chunks`` and ``_committed``, so nothing maps over it), the
+    buffer refuses to grow (``_stranded`` names why) until :meth:`release_physical`
+    unmaps it, and the original error carries the rollback failure as a note.
+
+    Released by :meth:`release` (explicitly, or from ``__del__`` when the last reference goes:
+    the owner's, or the last export's once the owner was freed). Not copyable: it owns driver
+    resources.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int,
+        device_index: int,
+        driver: VmmDriver,
+        granularity: int,
+        what: str = "ExtensibleTensor",
+    ) -> None:
+        # What messages call the owner of this memory ("the ExtensibleTensor has been freed").
+        self.what = what
+        self._driver = driver
+        self.device_index = device_index
+        self.granularity = granularity
+        self.reserved_size = round_up(max(max_bytes, 1), granularity)
+        self.base_ptr = 0
+        self._committed = IntervalSet()
+        self._chunks: list[tuple[int, int, Any]] = []  # (offset, size, handle)
+        self._chunk_offsets: list[int] = []
+        self._physical_bytes = 0
+        # Handles unmapped but whose release failed; retried by release_physical.
+        self._unreleased: list[Any] = []
+        # Set after a double fault left a chunk mapped that could not be unmapped.
+        self._stranded: str | None = None
+        self._released = False
+        # Devices granted read/write on every committed run: the owner, then its peers.
+        # Every set_access goes through this tuple (see grant_access).
+        self.access_devices: tuple[int, ...] = (device_index,)
+        # Chunk identity for cross-process sharing (jaxbuf.sharing): offset -> a number
+        # never reused by this buffer, so an importer tells a recreated chunk from the old.
+        self._chunk_ids: dict[int, int] = {}
+        self._chunk_id_counter = itertools.count(1)
+        # Temporary reservations that defragment could not clean up (an unmap or a
+        # free_reserved failed): (ptr, size, [(ptr, size, handle) still mapped there]).
+        # release_physical retries them.
+        self._stray_reservations: list[tuple[int, int, list[tuple[int, int, Any]]]] = []
+        driver.ensure_context(device_index)
+        self.base_ptr = driver.reserve(self.reserved_size, granularity)
+
+    # -- queries --------------------------------------------------------------------
+    @property
+    def physical_bytes(self) -> int:
+        return self._physical_bytes
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunks)
+
+    def chunk_containing(self, offset: int, size: int) -> bool:
+        """Whether ``[offset, offset + size)`` lies within one chunk."""
+        i = bisect_right(self._chunk_offsets, offset) - 1
+        if i < 0:
+            return False
+        chunk_offset, chunk_size, _ = self._chunks[i]
+        return offset + size <= chunk_offset + chunk_size
+
+    # -- committing -----------------------------------------------------------------
+    def ensure_committed_ranges(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Back every byte range ``[start, end)`` of ``ranges`` with physical memory.
+
+        All or nothing: on any driver failure the chunks created by this call are
+        unmapped and released again, and the original error propagates.
+        """
+        for start, end in ranges:
+            if not 0 <= start <= end <= self.reserved_size:
+                raise ValueError(
+                    f"range [{start}, {end}) is outside the reservation of "
+                    f"{self.reserved_size} bytes"
+                )
+        self._check_alive()
+        if self._stranded is not None:
+            raise RuntimeError(f"cannot commit: {self._stranded}; call release_physical() first")
+        granularity = self.granularity
+        new_chunks: list[tuple[int, int, Any]] = []
+        self._driver.ensure_context(self.device_index)
+        try:
+            for start, end in ranges:
+                if start == end:
+                    continue
+                first = start // granularity * granularity
+                last = round_up(end, granularity)
+                # Ranges of neighbouring segments may share a granule; gaps are taken
+                # against the runs recorded so far, so a shared granule is mapped once.
+                for gap_start, gap_end in self._committed.gaps(first, last):
+                    new_chunks.append(self._commit_gap(gap_start, gap_end))
+        except BaseException as error:
+            for chunk in reversed(new_chunks):
+                self._rollback_chunk(chunk, error)
+            raise
+
+    def _commit_gap(self, offset: int, size_end: int) -> tuple[int, int, Any]:
+        """Create, map and grant one chunk over ``[offset, size_end)``; record it."""
+        driver = self._driver
+        size = size_end - offset
+        ptr = self.base_ptr + offset
+        # Out of memory: the CUDA driver already returns framework caches and retries.
+        handle = driver.create(size, self.device_index)
+        try:
+            driver.map(ptr, size, handle)
+        except BaseException as error:
+            self._release_noting(handle, error)
+            raise
+        # Grant the new chunk only, the owner and its peers in one call: a range of whole
+        # chunks, as cuMemSetAccess requires (PyTorch's expandable segments grant the same
+        # way). Recorded chunks keep the access they were granted; re-granting the merged
+        # run, as the seed did, changes nothing and costs time growing with the run (0.7 ms
+        # at 48 GiB committed on an H200, issue 15). Existing mappings are never touched, so
+        # CUDA graphs captured over the reservation stay valid.
+        try:
+            driver.set_access_many(ptr, size, self.access_devices)
+        except BaseException as error:
+            if not self._unmap_and_release_noting(ptr, size, handle, error):
+                # Mapped without access and cannot be unmapped: track it so that
+                # release_physical retries, and refuse to grow until then.
+                self._committed.add(offset, size_end)
+                self._insert_chunk((offset, size, handle))
+            raise
+        # Only now is the run recorded: later commits skip recorded granules, so a
+        # recorded granule must be mapped *and* accessible.
+        self._committed.add(offset, size_end)
+        self._insert_chunk((offset, size, handle))
+        return offset, size, handle
+
+    def chunk_records(self) -> list[tuple[int, int, Any, int]]:
+        """``(offset, size, handle, chunk_id)`` of every mapped chunk, by offset."""
+        return [(o, n, h, self._chunk_ids[o]) for o, n, h in self._chunks]
+
+    def _insert_chunk(self, chunk: tuple[int, int, Any]) -> None:
+        self._chunk_ids[chunk[0]] = next(self._chunk_id_counter)
+        i = bisect_left(self._chunk_offsets, chunk[0])
+        self._chunk_offsets.insert(i, chunk[0])
+        self._chunks.insert(i, chunk)
+        self._physical_bytes += chunk[1]
+
+    def _remove_chunk(self, offset: int) -> None:
+        i = bisect_left(self._chunk_offsets, offset)
+        del self._chunk_offsets[i]
+        _, size, _ = self._chunks.pop(i)
+        self._physical_bytes -= size
+        self._chunk_ids.pop(offset, None)
+
+    def _release_noting(self, handle: Any, error: BaseException) -> bool:
+        """Release ``handle``; on failure note it on ``error`` and keep it for later."""
+        if attempt(error, "rollback: release", self._driver.release, handle):
+            return True
+        self._unreleased.append(handle)
+        return False
+
+    def _unmap_and_release_noting(
+        self, ptr: int, size: int, handle: Any, error: BaseException
+    ) -> bool:
+        """Undo a mapping during rollback; False when the chunk is still mapped."""
+        try:
+            self._driver.unmap(ptr, size)
+        except Exception as rollback_error:  # noqa: BLE001 - reported as a note
+            error.add_note(
+                f"rollback: unmap(ptr={ptr:#x}, size={size}) failed too: "
+                f"{rollback_error!r}; the chunk stays tracked and is retried by "
+                "release_physical()"
+            )
+            self._stranded = f"a chunk at offset {ptr - self.base_ptr} could not be unmapped"
+            return False
+        self._release_noting(handle, error)
+        return True
+
+    def _rollback_chunk(self, chunk: tuple[int, int, Any], error: BaseException) -> None:
+        offset, size, handle = chunk
+        # A chunk whose unmap fails stays recorded (it is mapped and accessible).
+        if self._unmap_and_release_noting(self.base_ptr + offset, size, handle, error):
+            self._committed.discard(offset, offset + size)
+            self._remove_chunk(offset)
+
+    def grant_access(self, device_indices: tuple[int, ...]) -> None:
+        """Grant ``device_indices`` read/write on every committed run, then add them to
+        :attr:`access_devices` so that later commits grant them too.
+
+        On a driver failure :attr:`access_devices` is unchanged; runs granted before the
+        failure stay accessible to the new devices (access is only ever added, and no
+        recorded granule loses access).
+        """
+        self._check_alive()
+        if not device_indices:
+            return
+        driver = self._driver
+        driver.ensure_context(self.device_index)
+        # Runs are unions of whole chunks, as set_access requires.
+        for start, end in list(self._committed):
+            driver.set_access_many(self.base_ptr + start, end - start, device_indices)
+        self.access_devices = self.access_devices + tuple(device_indices)
+
+    # -- releasing ------------------------------------------------------------------
+    def release_physical(self) -> None:
+        """Unmap and release every chunk, keeping the reservation.
+
+        Best effort over all chunks: a chunk whose unmap fails stays tracked (and
+        committed); the first error is raised with the others attached as notes.
+        """
+        if self._released:
+            return
+        driver = self._driver
+        driver.ensure_context(self.device_index)
+        errors: list[BaseException] = self._retry_stray_reservations()
+        if not self._chunks and not self._unreleased:
+            if errors:
+                raise errors[0]
+            return
+        # Pending work (a memset, a consumer's kernel, on the owner or a peer device) may
+        # still touch the pages.
+        for device_index in self.access_devices:
+            driver.synchronize(device_index)
+        driver.ensure_context(self.device_index)
+        still_mapped: list[tuple[int, int, Any]] = []
+        unreleased, self._unreleased = self._unreleased, []
+        for handle in unreleased:
+            try:
+                driver.release(handle)
+            except Exception as error:  # noqa: BLE001 - re-raised below
+                errors.append(error)
+                self._unreleased.append(handle)
+        for chunk in self._chunks:
+            offset, size, handle = chunk
+            try:
+                driver.unmap(self.base_ptr + offset, size)
+            except Exception as error:  # noqa: BLE001 - re-raised below
+                errors.append(error)
+                still_mapped.append(chunk)
+                continue
+            try:
+                driver.release(handle)
+            except Exception as error:  # noqa: BLE001 - re-raised below
+                errors.append(error)
+                self._unreleased.append(handle)
+        self._chunks = []
+        self._chunk_offsets = []
+        self._chunk_ids = {}
+        self._physical_bytes = 0
+        self._committed.clear()
+        for chunk in still_mapped:
+            self._committed.add(chunk[0], chunk[0] + chunk[1])
+            self._insert_chunk(chunk)
+        if not still_mapped:
+            self._stranded = None
+        raise_first(errors, "release_physical")
+
+    def release(self) -> None:
+        """Release the physical memory and the reservation. Idempotent.
+
+        The devices with access are synchronized before anything is unmapped (their pending
+        kernels may still touch the pages). A driver failure propagates with what is left
+        still tracked, so a second call finishes the release.
+        """
+        if self._released:
+            return
+        self.release_physical()
+        if self.base_ptr:
+            self._driver.free_reserved(self.base_ptr, self.reserved_size)
+        self.base_ptr = 0
+        self._released = True
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` has completed (nothing of the allocation is left)."""
+        return self._released
+
+    def _check_alive(self) -> None:
+        if self._released:
+            raise RuntimeError(f"the {self.what} has been freed")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"the {self.what}'s memory cannot be pickled or copied: it is a driver "
+            "reservation with physical chunks mapped into it, owned by this process"
+        )
+
+    def __del__(self, _release: Any = release_when_collected) -> None:
+        if getattr(self, "base_ptr", 0):
+            _release(self.release, f"the {self.what}'s memory")
+
+
+def committed_buffer(driver: VmmDriver, nbytes: int, device_index: int, what: str) -> VirtualBuffer:
+    """``nbytes`` (at least 1) of memory on ``device_index``, committed at once: plain device
+    memory for an owner that needs no segments and no growth (the copy a
+    ``BufferView.__dlpack__(copy=True)`` makes on a device, a fixed-size target).
+
+    All or nothing: a failure releases what was reserved and propagates. ``release()`` (or
+    the buffer's ``__del__``) synchronizes the device and frees it; it calls into no
+    framework, so it is safe from a finalizer or a DLPack deleter (unlike
+    ``ExtensibleTensor.free()``, which first waits for the frameworks).
+    """
+    granularity = driver.granularity(device_index)
+    memory = VirtualBuffer(max(nbytes, 1), device_index, driver, granularity, what)
+    try:
+        memory.ensure_committed_ranges([(0, max(nbytes, 1))])
+    except BaseException as error:
+        attempt(error, f"releasing the {what}'s reservation", memory.release)
+        raise
+    return memory

@@ -1,0 +1,243 @@
+"""Benchmark of staged row writes applied inside ``jit`` (issue 13, item 4), baselines in-run.
+
+Suite ``jax.staged``: writes of 16 int32 elements each into a donated 4096 x 4096 int32 JAX
+array, at 256 and 4,096 writes, from the same Python inputs (lists of rows and starts, a list
+of numpy arrays), against what a plain JAX user writes: the indices built in numpy and
+``a.at[rows, cols].set(values)`` in a jitted, donated function. Rows:
+
+* end to end: :func:`jaxbuf.jax_ops.pack_writes` + the jitted apply
+  (:func:`jaxbuf.jax_ops.apply_staged_writes`, donated) + ``block_until_ready``, against the
+  numpy index build + the jitted scatter + ``block_until_ready``; the issue's targets: at most
+  1.0x plain JAX's time at 256 writes, at most 0.5x at 4,096;
+* the host part alone: packing against the numpy index build;
+* the jitted call alone, its inputs already on the device: the device's work plus one dispatch
+  (JAX runs on its own stream, so CUDA events on another stream would not time it);
+* the device time per apply, for each ``method`` (on a GPU ``"triton"``, the default there,
+  ``"scatter"`` and the deprecated ``"pallas"``; on the CPU ``"scatter"``), against plain JAX's
+  ``a.at[r, c].set(v)``: 50 applies chained in one jitted ``fori_loop``, inputs prebuilt on the
+  device, so one dispatch is spread over 50 launches; the issue's target on a GPU: the Triton
+  apply no slower than plain JAX.
+
+The writes are disjoint, so the plain scatter's unspecified order among duplicates does not
+matter (``pack_writes`` resolves overlaps, later writes winning). On a GPU the apply runs with
+the library's default method and with ``method="scatter"``; on the CPU only the XLA scatter
+runs (the GPU kernel would run under an interpreter there). Both results are checked against
+a numpy model before the rows are reported. Only the public ``jaxbuf.jax_ops`` API is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from jaxbuf.bench import Row, Sizes, suite
+from jaxbuf.bench._timing import measure
+
+_SHAPE = (4096, 4096)
+_WRITE_LEN = 16
+#: Number of writes -> jaxbuf's end-to-end time at most this many times plain JAX's.
+_TARGETS = {256: 1.0, 4096: 0.5}
+_PLAIN = "plain JAX: numpy indices + jitted a.at[r, c].set(v)"
+
+
+def _workload(num_writes: int, seed: int = 0) -> tuple[list[int], list[int], list[np.ndarray]]:
+    """``num_writes`` disjoint writes of 16 int32: distinct 16-aligned cells of the array."""
+    rng = np.random.default_rng(seed)
+    cells_per_row = _SHAPE[1] // _WRITE_LEN
+    cells = rng.choice(_SHAPE[0] * cells_per_row, num_writes, replace=False)
+    rows = (cells // cells_per_row).tolist()
+    starts = ((cells % cells_per_row) * _WRITE_LEN).tolist()
+    values = [
+        rng.integers(0, 2**31, _WRITE_LEN, dtype=np.int64).astype(np.int32)
+        for _ in range(num_writes)
+    ]
+    return rows, starts, values
+
+
+def _plain_indices(
+    rows: list[int], starts: list[int], values: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What a JAX user writes to scatter row writes of any length: flat row, column and
+    value arrays, vectorised with numpy."""
+    lengths = np.fromiter((len(v) for v in values), np.int64, len(values))
+    flat = np.concatenate(values)
+    offsets = np.cumsum(lengths) - lengths
+    row_index = np.repeat(np.asarray(rows, np.int32), lengths)
+    column_index = np.repeat(np.asarray(starts, np.int64) - offsets, lengths)
+    column_index += np.arange(flat.shape[0])
+    return row_index, column_index.astype(np.int32), flat
+
+
+def _methods(device: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(label, apply_staged_writes keyword arguments) to time: the library's default and the
+    XLA scatter on a GPU; the scatter alone on the CPU."""
+    if device.is_cuda:
+        return [("default method", {}), ("scatter", {"method": "scatter"})]
+    return [("scatter", {"method": "scatter"})]
+
+
+def _device_methods(device: Any) -> list[str]:
+    """The ``method`` values whose device time per apply is measured: on a GPU the Triton
+    kernel through jax_triton (the default there), the XLA scatter and the deprecated Pallas
+    kernel, to choose by the numbers; on the CPU the scatter, its only compiled path."""
+    if device.is_cuda:
+        return ["triton", "scatter", "pallas"]
+    return ["scatter"]
+
+
+def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
+    import jax
+
+    from jaxbuf.jax_ops import apply_staged_writes, pack_writes
+
+    repeat = 5 if quick else (30 if num_writes <= 256 else 15)
+    loop = 5 if quick else 50  # applies per call in the device-time rows
+    jax_device = device.jax()
+    rows, starts, values = _workload(num_writes)
+    expected = np.zeros(_SHAPE, np.int32)
+    for row, start, value in zip(rows, starts, values):
+        expected[row, start : start + len(value)] = value
+
+    def pack() -> Any:
+        return pack_writes(rows, starts, values, "int32", shape=_SHAPE)
+
+    def indices() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return _plain_indices(rows, starts, values)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        return measure(fn, repeat=repeat, warmup=2).median_s
+
+    def end_to_end(step: Callable[..., Any], make_inputs: Callable[[], Any]) -> tuple[float, Any]:
+        """Median of building the inputs, the donated step and waiting for it; the array."""
+        holder = [jax.device_put(np.zeros(_SHAPE, np.int32), jax_device)]
+
+        def call() -> None:
+            holder[0] = step(holder[0], *make_inputs())
+            holder[0].block_until_ready()
+
+        return timed(call), holder
+
+    def inputs_on_device(step: Callable[..., Any], inputs: Any) -> float:
+        prebuilt = jax.device_put(inputs, jax_device)
+        holder = [jax.device_put(np.zeros(_SHAPE, np.int32), jax_device)]
+
+        def call() -> None:
+            holder[0] = step(holder[0], *prebuilt)
+            holder[0].block_until_ready()
+
+        median = timed(call)
+        _check(holder[0], expected)
+        return median
+
+    def device_time_per_apply(apply: Callable[..., Any], inputs: Any) -> float:
+        """Device time of one apply: ``loop`` applies chained in one jitted, donated
+        ``fori_loop`` over inputs prebuilt on the device (one dispatch spread over ``loop``
+        launches), the median call divided by ``loop``. Each apply depends on the previous
+        array, so XLA can neither hoist nor drop one."""
+        prebuilt = jax.device_put(inputs, jax_device)
+        looped = jax.jit(
+            lambda a, *xs: jax.lax.fori_loop(0, loop, lambda _, b: apply(b, *xs), a),
+            donate_argnums=0,
+        )
+        holder = [jax.device_put(np.zeros(_SHAPE, np.int32), jax_device)]
+
+        def call() -> None:
+            holder[0] = looped(holder[0], *prebuilt)
+            holder[0].block_until_ready()
+
+        median = timed(call)
+        _check(holder[0], expected)  # the same writes again leave the same array
+        return median / loop
+
+    plain_step = jax.jit(lambda a, r, c, v: a.at[r, c].set(v), donate_argnums=0)
+    plain_s, plain_array = end_to_end(plain_step, indices)
+    _check(plain_array[0], expected)
+    del plain_array
+    plain_device_s = inputs_on_device(plain_step, indices())
+    pack_s = timed(pack)
+    index_s = timed(indices)
+
+    name = f"{num_writes:,} writes"
+    factor = _TARGETS.get(num_writes)
+    for i, (label, kwargs) in enumerate(_methods(device)):
+        step = jax.jit(
+            lambda a, p, kwargs=kwargs: apply_staged_writes(a, p, **kwargs), donate_argnums=0
+        )
+        jaxbuf_s, jaxbuf_array = end_to_end(step, lambda: (pack(),))
+        _check(jaxbuf_array[0], expected)
+        del jaxbuf_array
+        device_s = inputs_on_device(step, (pack(),))
+        row = Row(
+            f"pack_writes + apply {name}, end to end ({label})",
+            jaxbuf_s,
+            f"{_PLAIN}, end to end",
+            plain_s,
+            notes="both wait for the array (block_until_ready); donated",
+            params={"num_writes": num_writes, "kind": "jax-staged-end-to-end", "method": label},
+        )
+        if factor is not None and i == 0:  # the issue's target, for the method users get
+            row.target = f"<= {factor:g}x plain JAX"
+            row.met = jaxbuf_s <= factor * plain_s
+        yield row
+        yield Row(
+            f"jitted apply {name}, inputs on the device ({label})",
+            device_s,
+            "plain JAX: jitted a.at[r, c].set(v), inputs on the device",
+            plain_device_s,
+            notes="the call and block_until_ready: device time plus one dispatch",
+            params={"num_writes": num_writes, "kind": "jax-staged-apply", "method": label},
+        )
+    # The issue's target for the apply on the GPU: device time no slower than plain JAX's
+    # scatter (the Triton kernel is the default method there).
+    plain_apply_s = device_time_per_apply(lambda a, r, c, v: a.at[r, c].set(v), indices())
+    for method in _device_methods(device):
+        params = {"num_writes": num_writes, "kind": "jax-staged-device", "method": method}
+        try:
+            apply_s = device_time_per_apply(
+                lambda a, p, m=method: apply_staged_writes(a, p, method=m), (pack(),)
+            )
+        except ImportError as error:  # method="triton" where jax_triton cannot run
+            apply_s, params["skipped"] = None, str(error)
+        row = Row(
+            f"jitted apply {name}, device time per apply (method={method!r})",
+            apply_s,
+            "plain JAX: a.at[r, c].set(v), device time per apply",
+            plain_apply_s,
+            notes=f"{loop} applies in one jitted fori_loop, inputs prebuilt on the device"
+            if apply_s is not None
+            else f"skipped: {params['skipped']}",
+            params=params,
+        )
+        if device.is_cuda and method == "triton" and apply_s is not None:
+            row.target = "<= 1x plain JAX"
+            row.met = apply_s <= plain_apply_s
+        yield row
+    yield Row(
+        f"pack_writes {name} (host)",
+        pack_s,
+        "plain JAX: numpy index build (host)",
+        index_s,
+        notes="the host part of the end-to-end rows",
+        params={"num_writes": num_writes, "kind": "jax-staged-pack"},
+    )
+
+
+def _check(array: Any, expected: np.ndarray) -> None:
+    """A guard for the numbers: the applied writes match the numpy model."""
+    if not np.array_equal(np.asarray(array), expected):
+        raise AssertionError("jax.staged: the array after the writes differs from the model")
+
+
+@suite("jax.staged", requires=("jax",))
+def staged_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
+    """Row writes packed and applied inside jit on a donated JAX array, against plain JAX's
+    numpy indices and scatter from the same Python inputs."""
+    sizes = (256, 4096)
+    yield Sizes(
+        " and ".join(f"{n:,}" for n in sizes)
+        + f" writes of {_WRITE_LEN} int32 into a {_SHAPE[0]} x {_SHAPE[1]} int32 array"
+    )
+    for num_writes in sizes:
+        yield from _rows_for(device, num_writes, quick)

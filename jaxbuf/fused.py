@@ -1,0 +1,409 @@
+"""The fused writer: the staged writes of many tensors, applied with one kernel launch.
+
+:class:`FusedStagedWriter` (re-exported by :mod:`jaxbuf.staged`) turns the staged writes of
+several :class:`~jaxbuf.staged.StagedWriteTensor` into one launch. An apply:
+
+1. looks up the *layout* of its list of targets (the kernel's group table), cached by the
+   targets' addresses, strides and item sizes;
+2. takes the next of ``max_concurrency`` pinned (UVA) staging *slots*, waiting (when guarded)
+   until the device is done reading its previous apply;
+3. *packs* the tables and values there with the packer chosen at construction
+   (:mod:`jaxbuf._packing`: C, or numpy without the extension). The packed write table is
+   already *resolved*: where writes overlap, the later one's elements are the only ones left
+   (earlier writes dropped or split into their visible pieces, from the row index the C stager
+   keeps as writes are staged), so no two entries overlap;
+4. *submits*: the launcher chosen at construction (:mod:`jaxbuf._launch`) runs the kernel, in
+   parallel (one program per entry, in any order: the result is the in-order result); on CUDA
+   on a stream, followed by an event that becomes every written tensor's ready event and
+   guards the slot; on the CPU to completion.
+
+A writer (with its packer) sees a tensor only through ``tensor._staging``, the tensor's
+:class:`~jaxbuf._staging_host.StagingState`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import interop
+from ._checks import as_int as as_index
+from ._errors import Cleanup, attempt
+from ._launch import AppliedEvent, make_launcher, raw_stream
+from ._lifetime import release_when_collected
+from ._packing import new_packer
+from ._resolve import resolve
+from ._staging_host import (
+    GROUP_FIELDS,
+    WRITE_FIELDS,
+    FreedError,
+    StagingState,
+    check_backend,
+    check_max_concurrency,
+)
+from .drivers.base import VmmDriver
+
+__all__ = ["FusedStagedWriter"]
+
+_MAX_CACHED_LAYOUTS = 64
+
+
+class _Layout:
+    """What a writer caches per distinct list of targets: the group table and item sizes."""
+
+    __slots__ = (
+        "group_table",
+        "group_bytes",
+        "group_ids",
+        "itemsizes",
+        "itemsize_list",
+        "uniform_itemsize",
+    )
+
+    def __init__(self, entries: Sequence[tuple]) -> None:
+        # entries: (out_ptr, row_stride, elem_size, num_rows, device) per group
+        self.group_table = np.array([e[:3] for e in entries], dtype=np.int64).reshape(-1)
+        self.group_bytes = self.group_table.tobytes()
+        self.group_ids = np.arange(len(entries), dtype=np.int64)
+        self.itemsize_list = [e[2] for e in entries]
+        self.itemsizes = np.array(self.itemsize_list, dtype=np.int64)
+        self.uniform_itemsize = self.itemsize_list[0] if len(set(self.itemsize_list)) == 1 else 0
+
+
+class _Slot:
+    """One staging slot: pinned memory the packer fills and the kernel reads in place.
+
+    ``buffer`` is the :class:`~jaxbuf.uva.UvaBuffer` (None until first used: capacity 0),
+    ``host`` / ``ptr`` its host and device-visible addresses, ``i64`` an int64 numpy view of
+    it; ``event`` the :class:`~jaxbuf._launch.AppliedEvent` after the last launch that read it
+    (CUDA).
+    """
+
+    __slots__ = ("buffer", "i64", "host", "ptr", "capacity", "event")
+
+    def __init__(self) -> None:
+        self.buffer: Any = None
+        self.i64: np.ndarray | None = None
+        self.host = self.ptr = self.capacity = 0
+        self.event: AppliedEvent | None = None
+
+
+class FusedStagedWriter:
+    """Applies the staged writes of several :class:`StagedWriteTensor` with one launch.
+
+    Each apply builds the kernel's tables and packs every tensor's staged bytes into the next
+    of ``max_concurrency`` pinned (UVA) staging slots, which the kernel reads in place; a slot
+    grows (to a power of two) when an apply needs more. Tensors may have different dtypes.
+
+    **Slot reuse.** A slot is written again ``max_concurrency`` applies later. With
+    ``guarded=True`` (the default) the host first waits for the event recorded after that
+    slot's launch, so a deep queue of applies stalls the host instead of corrupting an
+    in-flight read (the check costs one event query). With ``guarded=False`` (the seed's
+    contract) callers must not have more than ``max_concurrency`` applies in flight.
+
+    Thread-safety: not thread-safe; one thread drives a writer. A writer cannot be pickled
+    or copied (its slots are pinned memory of this process).
+
+    Parameters
+    ----------
+    device : device spec
+    max_writes : int
+        Writes per apply the slots are first sized for (they grow beyond).
+    max_concurrency : int, optional
+        Number of staging slots; default 2.
+    backend : {"triton", "numpy"}
+        ``"triton"``: the Triton kernel (compiled on CUDA, under Triton's interpreter on the
+        CPU). ``"numpy"``: :func:`jaxbuf.kernels.apply_staged_writes_numpy`, CPU only; it is
+        never chosen silently.
+    guarded : bool
+    driver : VmmDriver, optional
+    """
+
+    def __init__(
+        self,
+        device: Any,
+        max_writes: int,
+        max_concurrency: int | None = None,
+        *,
+        backend: str = "triton",
+        guarded: bool = True,
+        driver: VmmDriver | None = None,
+    ) -> None:
+        self._slots: list[_Slot] = []
+        self._closed = True
+        max_writes = as_index(max_writes, "max_writes")
+        if not 1 <= max_writes < 1 << 31:  # one launch counts its writes in int32
+            raise ValueError(f"max_writes must be in [1, 2**31), got {max_writes}")
+        max_concurrency = check_max_concurrency(max_concurrency)
+        device, driver = resolve(device, driver)
+        self.backend = check_backend(backend, device)
+        self.device = device
+        self.max_writes = max_writes
+        self.max_concurrency = max_concurrency
+        self.guarded = bool(guarded)
+        self._driver = driver
+        # Room for the tables plus ~16 four-byte elements per write; slots grow beyond.
+        self._initial_slot_bytes = 1 << (max_writes * (WRITE_FIELDS * 8 + 64) + 4095).bit_length()
+        # Slots get their memory on first use (and regrow).
+        self._slots = [_Slot() for _ in range(max_concurrency)]
+        self._curr = max_concurrency - 1
+        self._layouts: dict[tuple, _Layout] = {}
+        # The strategies, each chosen once: how to pack, how to launch, how to submit.
+        packer = new_packer()
+        self._pack, self._clear = packer.pack, packer.clear
+        self._launch = make_launcher(self.backend, device)
+        self._submit = self._submit_on_stream if device.is_cuda else self._submit_now
+        self._closed = False
+
+    # -- the hot path ------------------------------------------------------------------------
+    def apply(
+        self,
+        tensors: Sequence[Any],
+        output_ptrs: Any = None,
+        output_strides: Any = None,
+        stream: Any = None,
+    ) -> None:
+        """Apply and clear the staged writes of ``tensors`` with one kernel launch.
+
+        ``tensors`` may repeat no tensor; those with nothing staged cost nothing. As in the
+        seed, ``output_ptrs`` / ``output_strides`` (sequences of ints, one per tensor) may
+        redirect each tensor's writes to another address and row stride (in elements) of the
+        same dtype; the caller then vouches for the bounds, and that no two targets overlap
+        (overlaps are resolved within each tensor's writes). On CUDA the launch is enqueued on
+        ``stream`` (a ``torch.cuda.Stream`` or a CUDA stream handle int) or torch's current
+        stream, and every written tensor's ready event is recorded there, so DLPack consumers
+        that pass their stream see the writes. Writes staged earlier take effect first; where
+        two overlap the later wins. A tensor's staged writes are cleared only once the launch
+        was enqueued. A freed tensor among ``tensors`` raises
+        :class:`~jaxbuf.staged.FreedError` (a ``RuntimeError``) and nothing is applied, unless
+        nothing at all is staged.
+        """
+        if (output_ptrs is None) != (output_strides is None):
+            raise ValueError("output_ptrs and output_strides go together; pass both or neither")
+        try:
+            staged_bytes = [len(t._staging.records) for t in tensors]
+        except (AttributeError, TypeError):
+            raise TypeError(
+                f"tensors must be a sequence of StagedWriteTensor, got {tensors!r}"
+            ) from None
+        if not sum(staged_bytes):
+            return
+        if self._closed:
+            raise FreedError("the FusedStagedWriter is closed")
+        if output_ptrs is None:
+            key = tuple([t._staging.group_entry for t in tensors])
+        else:
+            key = self._external_key(tensors, output_ptrs, output_strides)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._new_layout(tensors, key)
+        num_groups = len(staged_bytes)
+
+        i = self._curr + 1
+        if i == self.max_concurrency:
+            i = 0
+        slot = self._slots[i]
+        event = slot.event
+        if event is not None and self.guarded:
+            event.wait()  # the device still reads this slot's previous apply
+        pack = self._pack
+        num_writes, contents_start, total = pack(tensors, staged_bytes, layout, slot)
+        if total > slot.capacity:  # nothing was packed: grow the slot and pack again
+            self._grow(slot, total)
+            num_writes, contents_start, total = pack(tensors, staged_bytes, layout, slot)
+        slot.event = None
+        self._curr = i
+
+        ptr = slot.ptr
+        # The table is resolved (no two entries overlap): always the parallel launch.
+        launch_args = (
+            ptr + num_groups * GROUP_FIELDS * 8,
+            ptr,
+            ptr + contents_start,
+            num_writes,
+            False,
+        )
+        self._submit(tensors, staged_bytes, i, launch_args, stream)
+
+    def _submit_now(
+        self,
+        tensors: Sequence[Any],
+        staged_bytes: Sequence[int],
+        i: int,
+        launch_args: tuple,
+        stream: Any,
+    ) -> None:
+        """The CPU: the launch runs to completion here; no stream, no event."""
+        num_groups, num_writes = len(staged_bytes), launch_args[3]
+        tables = self._tables(i, num_groups, num_writes)
+        self._launch(*launch_args, 0, *tables)
+        self._clear()
+
+    def _submit_on_stream(
+        self,
+        tensors: Sequence[Any],
+        staged_bytes: Sequence[int],
+        i: int,
+        launch_args: tuple,
+        stream: Any,
+    ) -> None:
+        """CUDA: enqueue the launch on ``stream`` after the targets' earlier writes, then
+        record the event that orders consumers and guards the slot."""
+        driver, index = self._driver, self.device.index
+        # The launch needs the device's context current in this thread (a fresh thread has
+        # none); one cuCtxGetCurrent when it already is.
+        driver.ensure_context(index)
+        raw = raw_stream(stream, self.device)
+        dlpack_stream = raw or 1  # DLPack and CUDA agree on 1 (legacy) and 2
+        # A tensor last written on another stream: order this launch after those writes.
+        for t in tensors:
+            applied = t._staging.applied
+            if applied is not None and applied.stream != dlpack_stream:
+                driver.stream_wait_event(dlpack_stream, applied.handle, index)
+        self._launch(*launch_args, raw, None, None)
+        # Enqueued: the writes are applied whatever fails next, so no longer staged.
+        self._clear()
+        try:
+            handle = driver.record_event(dlpack_stream, index)
+        except BaseException as error:
+            self._synchronize_without_event(tensors, error)
+            raise
+        event = AppliedEvent(driver, handle, dlpack_stream)
+        self._slots[i].event = event
+        for t, n in zip(tensors, staged_bytes):
+            if n:
+                t._staging.applied = event
+
+    def _synchronize_without_event(self, tensors: Sequence[Any], error: BaseException) -> None:
+        """The launch is enqueued but its event could not be recorded. With no event to wait
+        on, the device is synchronized here so that the slot and the targets are safe to
+        reuse; ``error`` gets notes saying so."""
+        for t in tensors:
+            t._staging.applied = None
+        what = "synchronizing after the failed event record"
+        attempt(error, what, self._driver.synchronize, self.device.index)
+        error.add_note("the staged writes were launched and are applied; they are no longer staged")
+
+    def _tables(self, i: int, num_groups: int, num_writes: int) -> tuple[np.ndarray, np.ndarray]:
+        """Numpy views of slot ``i``'s write table and group table."""
+        i64, table_start = self._slots[i].i64, num_groups * GROUP_FIELDS
+        write_table = i64[table_start : table_start + num_writes * WRITE_FIELDS]
+        return (
+            write_table.reshape(num_writes, WRITE_FIELDS),
+            i64[:table_start].reshape(num_groups, GROUP_FIELDS),
+        )
+
+    # -- slots -----------------------------------------------------------------------------
+    def _grow(self, slot: _Slot, nbytes: int) -> None:
+        """Replace ``slot``'s memory by at least ``nbytes`` (a power of two)."""
+        from .uva import UvaBuffer
+
+        if slot.event is not None:
+            slot.event.wait()  # the old memory is freed: its reader must be done, guarded or not
+        size = max(self._initial_slot_bytes, 1 << (nbytes - 1).bit_length())
+        buffer = UvaBuffer(size, "uint8", self.device, driver=self._driver)
+        old, slot.buffer = slot.buffer, buffer
+        slot.i64 = buffer.np.view(np.int64)
+        slot.host = buffer.host_ptr
+        slot.ptr = buffer.device_ptr
+        slot.capacity = size
+        if old is not None:
+            old.free()
+
+    # -- layouts ---------------------------------------------------------------------------
+    def _external_key(
+        self,
+        tensors: Sequence[Any],
+        output_ptrs: Any,
+        output_strides: Any,
+    ) -> tuple:
+        ptrs = [as_index(p, "output_ptrs entry") for p in _host_ints(output_ptrs)]
+        strides = [as_index(s, "output_strides entry") for s in _host_ints(output_strides)]
+        if not len(ptrs) == len(strides) == len(tensors):
+            raise ValueError(
+                f"{len(tensors)} tensors but {len(ptrs)} output_ptrs and "
+                f"{len(strides)} output_strides"
+            )
+        entries = []
+        for t, ptr, stride in zip(tensors, ptrs, strides):
+            entry = t._staging.group_entry
+            if entry is None:
+                raise FreedError(f"{t!r} is freed")
+            if ptr % entry[2] or stride < 0:
+                raise ValueError(
+                    f"output pointer {ptr:#x} / stride {stride} do not suit {t.dtype} elements"
+                )
+            entries.append((ptr, stride, *entry[2:]))
+        return tuple(entries)
+
+    def _new_layout(self, tensors: Sequence[Any], key: tuple) -> _Layout:
+        seen = set()
+        for t in tensors:
+            state = t._staging
+            if not isinstance(state, StagingState):
+                raise TypeError(f"tensors must be StagedWriteTensor, got {type(t).__name__}")
+            if state.group_entry is None:
+                raise FreedError(f"{t!r} is freed")
+            if t.device != self.device:
+                raise ValueError(f"{t!r} is on {t.device}; this writer applies on {self.device}")
+            if id(t) in seen:
+                raise ValueError(f"{t!r} appears twice in one apply")
+            seen.add(id(t))
+        if len(self._layouts) >= _MAX_CACHED_LAYOUTS:
+            self._layouts.clear()
+        layout = self._layouts[key] = _Layout(key)
+        return layout
+
+    # -- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for in-flight applies, free the staging slots. Idempotent.
+
+        Best effort: a slot whose free fails (a driver error) stays, and the next
+        ``close()`` retries it; the first error is raised, the others attached as notes."""
+        slots = self._slots
+        held = any(s.buffer is not None or s.event for s in slots)
+        if self._closed and not held:
+            return
+        self._closed = True
+        for slot in slots:
+            if slot.event is not None:
+                slot.event.wait()
+                slot.event = None
+        cleanup = Cleanup("FusedStagedWriter.close")
+        for slot in slots:
+            slot.i64 = None
+            slot.capacity = 0
+            if slot.buffer is not None and cleanup.run(slot.buffer.free):
+                slot.buffer = None
+        cleanup.raise_first()
+
+    free = close
+
+    def __enter__(self) -> FusedStagedWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a FusedStagedWriter cannot be pickled or copied: its staging slots are pinned "
+            "memory of this process, and its in-flight applies are tracked by events there; "
+            "make a new writer instead"
+        )
+
+    def __del__(self, _release: Any = release_when_collected) -> None:
+        if not getattr(self, "_closed", True):
+            _release(self.close, "a FusedStagedWriter")
+
+
+def _host_ints(values: Any) -> list:
+    """A sequence, numpy array or framework array (torch, JAX, any device) as a list."""
+    if type(values) is list or type(values) is tuple:
+        return list(values)
+    adapter = interop.adapter_for(values)
+    if adapter is not None:
+        return adapter.to_numpy(values).tolist()
+    return list(values)

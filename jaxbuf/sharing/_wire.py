@@ -1,0 +1,252 @@
+"""The wire protocol of :mod:`jaxbuf.sharing`: one message, its framing and its descriptors.
+
+A message on any ``AF_UNIX`` stream socket is a 16-byte header (``b"JXB1"``, payload length,
+descriptor count), the layout as UTF-8 JSON, then the descriptors in batches of at most
+:data:`_FDS_PER_BATCH` (the kernel's ``SCM_MAX_FD`` is 253), each batch attached to one
+``b"F"`` byte. Descriptors are received close-on-exec.
+
+This module knows sockets, descriptors, timeouts and peers; it does not look inside a layout
+(that is :mod:`jaxbuf.sharing._layout`) and maps nothing (:mod:`jaxbuf.sharing._imported`).
+Every function leaves no descriptor open on error: what it received it closes, what the caller
+passed in stays the caller's.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import math
+import os
+import socket
+import struct
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NamedTuple
+
+_MAGIC = b"JXB1"
+_HEADER = struct.Struct("!4sQI")  # magic, payload bytes, descriptor count
+_FDS_PER_BATCH = 250
+_MAX_PAYLOAD = 1 << 30
+_MAX_FDS = 1 << 20  # a header asking for more is not from send_layout
+DEFAULT_TIMEOUT = 60.0
+"""Seconds that :func:`send_buffer` / :func:`recv_buffer` (and the lower-level calls) wait
+for a whole message by default; ``timeout=None`` waits forever."""
+
+
+# -- peers, timeouts ----------------------------------------------------------------------
+class PeerCredentials(NamedTuple):
+    """The process at the other end of a Unix socket, as the kernel recorded it."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_credentials(sock: socket.socket) -> PeerCredentials:
+    """``(pid, uid, gid)`` of the peer of the connected ``AF_UNIX`` socket ``sock``
+    (``SO_PEERCRED``): the process that called ``connect()`` (or ``listen()``), or for a
+    ``socketpair()`` the process that created the pair, at that moment (a later ``setuid``
+    of the peer does not change it)."""
+    if not isinstance(sock, socket.socket) or sock.family != socket.AF_UNIX:
+        raise ValueError(f"peer credentials need a connected AF_UNIX socket, got {sock!r}")
+    size = struct.calcsize("3i")
+    pid, uid, gid = struct.unpack(
+        "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, size)
+    )
+    return PeerCredentials(pid, uid, gid)
+
+
+def _allowed_uids(allowed_uids: Iterable[int] | None) -> frozenset[int]:
+    if allowed_uids is None:
+        return frozenset((os.geteuid(),))
+    if isinstance(allowed_uids, (str, bytes, int)):
+        raise TypeError(f"allowed_uids must be a collection of uids, got {allowed_uids!r}")
+    uids = frozenset(allowed_uids)
+    for uid in uids:
+        if isinstance(uid, bool) or not isinstance(uid, int) or uid < 0:
+            raise ValueError(f"allowed_uids must hold non-negative int uids, got {uid!r}")
+    return uids
+
+
+def _check_peer(sock: socket.socket, allowed: frozenset[int]) -> None:
+    peer = peer_credentials(sock)
+    if peer.uid not in allowed:
+        raise PermissionError(
+            f"refusing to share with pid {peer.pid}: it runs as uid {peer.uid}, not one of "
+            f"allowed_uids {sorted(allowed)}"
+        )
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a positive finite number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+@contextlib.contextmanager
+def _deadline(
+    sock: socket.socket, timeout: float | None, what: str
+) -> Iterator[Callable[[], None]]:
+    """Yield ``arm()``, which sets ``sock``'s timeout to what is left of ``timeout`` before
+    each blocking call, so that ``timeout`` bounds the whole message; the socket's own
+    timeout is restored afterwards. A timeout becomes a ``TimeoutError`` saying what."""
+    end = None if timeout is None else time.monotonic() + timeout
+    previous = sock.gettimeout()
+
+    def arm() -> None:
+        if end is None:
+            sock.settimeout(None)
+            return
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+
+    try:
+        yield arm
+    except TimeoutError:
+        raise TimeoutError(
+            f"{what} did not complete within {timeout} s (is the peer reading/sending?); the "
+            "connection is out of step now: close it"
+        ) from None
+    finally:
+        sock.settimeout(previous)
+
+
+def listen_unix(path: str | os.PathLike[str], backlog: int = 8) -> socket.socket:
+    """A listening ``AF_UNIX`` stream socket at the new file ``path``, mode 0600 from the
+    moment it appears there: bound in a private (0700) directory beside ``path``, chmod-ed,
+    then hard-linked into place (``FileExistsError`` if ``path`` exists). Only this uid
+    and root can connect; :func:`send_buffer` still checks the peer's uid. The caller
+    removes ``path`` when done."""
+    path = os.fspath(path)
+    private = tempfile.mkdtemp(prefix=".jaxbuf-", dir=os.path.dirname(os.path.abspath(path)))
+    staged = os.path.join(private, "s")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(staged)
+        os.chmod(staged, 0o600)
+        sock.listen(backlog)
+        os.link(staged, path)  # the last step: nothing to undo at path if it fails
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staged)
+        os.rmdir(private)
+    return sock
+
+
+# -- messages ---------------------------------------------------------------------------
+def send_layout(
+    sock: socket.socket,
+    layout: dict,
+    fds: Sequence[int],
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+) -> None:
+    """Send ``layout`` and ``fds`` as one message (the caller still owns ``fds``).
+
+    ``TimeoutError`` when the peer has not taken the whole message within ``timeout``
+    seconds (``None``: wait forever); the connection is then out of step (close it)."""
+    timeout = _check_timeout(timeout)
+    payload = json.dumps(layout, separators=(",", ":")).encode()
+    with _deadline(sock, timeout, "sending a jaxbuf layout") as arm:
+        arm()
+        sock.sendall(_HEADER.pack(_MAGIC, len(payload), len(fds)) + payload)
+        for start in range(0, len(fds), _FDS_PER_BATCH):
+            arm()
+            socket.send_fds(sock, [b"F"], list(fds[start : start + _FDS_PER_BATCH]))
+
+
+def _recv_exact(sock: socket.socket, size: int, arm: Callable[[], None]) -> bytes:
+    parts, left = [], size
+    while left:
+        arm()
+        part = sock.recv(min(left, 1 << 20))
+        if not part:
+            raise ConnectionError(f"socket closed after {size - left} of {size} bytes")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _recv_fd_batch(sock: socket.socket, count: int) -> list[int]:
+    """One ``b"F"`` byte and the ``count`` descriptors attached to it (close-on-exec)."""
+    itemsize = array.array("i").itemsize
+    flags = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+    data, ancillary, msg_flags, _ = sock.recvmsg(1, socket.CMSG_SPACE(count * itemsize), flags)
+    fds: list[int] = []
+    for level, kind, cmsg in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            received = array.array("i")
+            received.frombytes(cmsg[: len(cmsg) - len(cmsg) % itemsize])
+            fds.extend(received)
+    if data != b"F" or msg_flags & getattr(socket, "MSG_CTRUNC", 0) or len(fds) != count:
+        _close_all(fds)
+        if not data:
+            raise ConnectionError("socket closed while receiving descriptors")
+        raise ValueError(
+            f"malformed descriptor batch: expected {count} descriptors with b'F', got "
+            f"{len(fds)} with {data!r} (flags {msg_flags:#x})"
+        )
+    return fds
+
+
+def recv_layout(
+    sock: socket.socket, *, timeout: float | None = DEFAULT_TIMEOUT
+) -> tuple[dict, list[int]]:
+    """Receive one message from :func:`send_layout`: ``(layout, fds)``; the caller owns
+    the descriptors (on error, none is left open).
+
+    Checks the framing only (header, JSON object, descriptor batches):
+    :class:`~jaxbuf.sharing.ImportedBuffer` validates the layout itself. A malformed message
+    raises ``ValueError``; the payload is parsed before any descriptor is accepted, so a bad
+    one leaves the descriptors queued in the socket (closing it drops them). ``TimeoutError``
+    after ``timeout`` seconds for the whole message (``None``: wait forever),
+    ``ConnectionError`` when the peer hangs up. After any error the connection is out of
+    step: close it.
+    """
+    timeout = _check_timeout(timeout)
+    fds: list[int] = []
+    with _deadline(sock, timeout, "receiving a jaxbuf layout") as arm:
+        magic, payload_size, count = _HEADER.unpack(_recv_exact(sock, _HEADER.size, arm))
+        if magic != _MAGIC or payload_size > _MAX_PAYLOAD or count > _MAX_FDS:
+            raise ValueError(
+                f"not a jaxbuf layout message (header {magic!r}, {payload_size} bytes, "
+                f"{count} descriptors)"
+            )
+        payload = _recv_exact(sock, payload_size, arm)
+        try:
+            layout = json.loads(payload)
+        except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+            raise ValueError(f"malformed jaxbuf layout message: {error}") from None
+        if not isinstance(layout, dict):
+            raise ValueError(f"malformed jaxbuf layout message: not a JSON object: {layout!r:.100}")
+        try:
+            while len(fds) < count:
+                arm()
+                fds.extend(_recv_fd_batch(sock, min(_FDS_PER_BATCH, count - len(fds))))
+        except BaseException:
+            _close_all(fds)
+            raise
+    return layout, fds
+
+
+def _close_all(fds: Sequence[int]) -> None:
+    """Close every descriptor; the first error is raised after trying all."""
+    first: OSError | None = None
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError as error:
+            first = first or error
+    if first is not None:
+        raise first

@@ -1,0 +1,341 @@
+"""The JAX benchmark suites (``jax.views``, ``jax.staged``, ``jax.decode``): run quickly through
+``python -m jaxbuf bench --only jax`` on the CPU, rows well-formed with their baselines, the
+decode plot written; the decode loop's bookkeeping and write paths checked on small plans."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import CUDA_REASON, JAX_REASON, TORCH_REASON
+
+from jaxbuf.bench import Row, load_suites
+from jaxbuf.devices import as_device
+
+needs_jax = pytest.mark.skipif(JAX_REASON is not None, reason=JAX_REASON or "")
+needs_torch = pytest.mark.skipif(TORCH_REASON is not None, reason=TORCH_REASON or "")
+PNG = b"\x89PNG\r\n\x1a\n"
+SUITES = ("jax.decode", "jax.staged", "jax.views")
+
+
+def run_bench(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "jaxbuf", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=environment,
+    )
+
+
+def check_row(row: dict) -> None:
+    """A measured row with its baseline from the same run; a target is judged."""
+    assert row["name"] and row["baseline_name"], row
+    assert row["median_s"] is not None and math.isfinite(row["median_s"]) and row["median_s"] > 0
+    assert row["baseline_median_s"] is not None and row["baseline_median_s"] > 0, row
+    assert row["ratio"] == pytest.approx(row["baseline_median_s"] / row["median_s"])
+    if row["target"]:
+        assert isinstance(row["met"], bool), row
+    else:
+        assert row["met"] is None, row
+
+
+@pytest.fixture(scope="module")
+def jax_bench(tmp_path_factory):
+    """One ``bench --only jax --quick --device cpu --plot`` run: (result, JSON, directory)."""
+    if JAX_REASON is not None:
+        pytest.skip(JAX_REASON)
+    pytest.importorskip("matplotlib")
+    cwd = tmp_path_factory.mktemp("jax-bench")
+    result = run_bench("--only", "jax", "--quick", "--device", "cpu", "--plot", cwd=cwd)
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads((cwd / "results" / "bench-cpu.json").read_text())
+    return result, document, cwd
+
+
+def suite_rows(document: dict, name: str) -> list[dict]:
+    by_name = {s["name"]: s for s in document["suites"]}
+    assert by_name[name]["error"] is None and by_name[name]["skipped"] is None, by_name[name]
+    assert by_name[name]["sizes"], name
+    return by_name[name]["rows"]
+
+
+def test_suites_are_registered_and_need_jax():
+    suites = load_suites()
+    for name in SUITES:
+        assert name in suites, sorted(suites)
+        assert suites[name].requires == ("jax",)
+        assert suites[name].description and "\n" not in suites[name].description
+
+
+def test_only_jax_runs_the_three_suites_and_writes_the_decode_plot(jax_bench):
+    result, document, cwd = jax_bench
+    assert [s["name"] for s in document["suites"]] == list(SUITES)
+    assert "Traceback" not in result.stderr and "FAILED" not in result.stdout
+    for name in SUITES:
+        assert name in result.stdout
+        for row in suite_rows(document, name):
+            if row["baseline_name"]:
+                assert row["median_s"] > 0
+    # No growth rows in this run: the decode plot alone, at its default path.
+    assert (cwd / "results" / "decode-cpu.png").read_bytes()[:8] == PNG
+    assert not (cwd / "results" / "growth-cpu.png").exists()
+    assert f"plot: {Path('results') / 'decode-cpu.png'}" in result.stdout
+    assert "warning" not in result.stderr, result.stderr
+    # Row names are printed as text, not rich markup ("[r, c]" would vanish).
+    assert "a.at[r, c].set(v)" in " ".join(result.stdout.split())
+
+
+def test_views_rows(jax_bench):
+    rows = suite_rows(jax_bench[1], "jax.views")
+    for row in rows:
+        if TORCH_REASON is None or row["params"].get("baseline_kind") != "torch":
+            check_row(row)
+    names = {(row["name"], row["baseline_name"]) for row in rows}
+    assert ("view.to_jax()", "jax.dlpack.from_dlpack(torch tensor)") in names
+    assert ("view.to_jax()", "jax.dlpack.from_dlpack(JAX array)") in names
+    assert (
+        "UvaBufferPool(framework='jax').copy_to_uva(metadata)",
+        "jax.device_put(metadata)",
+    ) in names
+
+
+def test_staged_rows(jax_bench):
+    rows = suite_rows(jax_bench[1], "jax.staged")
+    for row in rows:
+        check_row(row)
+    for num_writes, factor in ((256, 1.0), (4096, 0.5)):
+        mine = [row for row in rows if row["params"]["num_writes"] == num_writes]
+        kinds = {row["params"]["kind"] for row in mine}
+        assert kinds == {"jax-staged-end-to-end", "jax-staged-apply", "jax-staged-pack"}
+        end_to_end = [r for r in mine if r["params"]["kind"] == "jax-staged-end-to-end"]
+        assert [r["params"]["method"] for r in end_to_end] == ["scatter"]  # the CPU's path
+        row = end_to_end[0]
+        assert row["target"] == f"<= {factor:g}x plain JAX"
+        assert row["met"] == (row["median_s"] <= factor * row["baseline_median_s"])
+
+
+def test_decode_rows_series_and_memory(jax_bench):
+    from jaxbuf.bench.jax_decode import _plan
+
+    rows = suite_rows(jax_bench[1], "jax.decode")
+    for row in rows:
+        check_row(row)
+    plan = _plan(as_device("cpu"), True)
+    profiles = [row["params"]["profile"] for row in rows if row["params"]["kind"] == "decode-step"]
+    assert profiles == ["short", "long", "mixed"]
+    for profile in profiles:
+        mine = {row["params"]["kind"]: row for row in rows if row["params"]["profile"] == profile}
+        assert set(mine) == {"decode-step", "decode-memory", "decode-spike", "decode-spike-realloc"}
+        step = mine["decode-step"]
+        assert step["target"] == "<= 1.1x preallocated"
+        assert step["params"]["write_path"] == "numpy"  # the CPU copies a donated import
+        assert "numpy" in step["notes"]
+        steps = step["params"]["steps"]
+        series = step["params"]["series"]
+        assert set(series) == {"jaxbuf", "preallocated", "realloc"}
+        for variant, values in series.items():
+            assert len(values["step_s"]) == len(values["held_bytes"]) == steps, variant
+            assert min(values["step_s"]) > 0
+            assert step["params"]["max_s"][variant] == pytest.approx(max(values["step_s"]))
+        needed = step["params"]["needed_bytes"]
+        assert len(needed) == steps and needed == sorted(needed)  # pages only accumulate
+        # The preallocated cache holds the maximum throughout; realloc+copy holds its array
+        # (old + new on a copy), never less than the tokens need; jaxbuf holds what the
+        # driver committed, within one growth step of the tokens' pages.
+        total = plan.total_blocks * plan.block_bytes
+        assert set(series["preallocated"]["held_bytes"]) == {total}
+        assert all(h >= n for h, n in zip(series["realloc"]["held_bytes"], needed))
+        memory = mine["decode-memory"]
+        bound = [n + step["params"]["growth_step_bytes"] for n in needed[1:] + needed[-1:]]
+        assert memory["met"] == all(h <= b for h, b in zip(series["jaxbuf"]["held_bytes"], bound))
+        assert memory["met"] is True
+        assert mine["decode-spike"]["median_s"] == pytest.approx(max(series["jaxbuf"]["step_s"]))
+    long_realloc = next(
+        r for r in rows if r["params"]["kind"] == "decode-step" and r["params"]["profile"] == "long"
+    )["params"]["series"]["realloc"]
+    # A copy holds old and new at once: the peak exceeds the final array.
+    assert max(long_realloc["held_bytes"]) > long_realloc["held_bytes"][-1]
+
+
+# -- the decode loop's pieces, on small plans ------------------------------------------------
+def small_plan():
+    from jaxbuf import granule_size
+    from jaxbuf.bench.jax_decode import _Plan
+
+    return _Plan(3, 1, 8, 4, 16, 2, granule_size("cpu"))
+
+
+@pytest.mark.parametrize("profile", ["short", "long", "mixed"])
+def test_decode_schedule_pages_and_slots(profile):
+    from jaxbuf.bench.jax_decode import _final_lengths, _schedule
+
+    plan = small_plan()
+    schedule = _schedule(plan, profile)
+    finals = _final_lengths(plan, profile)
+    assert schedule.steps == max(finals)
+    assert schedule.meta[-1, :, 0].tolist() == finals
+    table = np.zeros((plan.num_seqs, plan.blocks_per_seq), np.int64)
+    for n in range(schedule.steps):
+        rows, columns, pages = schedule.writes[n]
+        table[rows, columns] = pages
+        lengths, slots = schedule.meta[n, :, 0], schedule.meta[n, :, 1]
+        for s in range(plan.num_seqs):
+            active = n < finals[s]
+            if active:  # the token at position n sits on the page the table names
+                assert lengths[s] == n + 1
+                assert slots[s] == table[s, n // plan.block] * plan.block + n % plan.block
+            else:
+                assert lengths[s] == finals[s] and slots[s] < plan.block  # the scratch page
+        active_slots = [slots[s] for s in range(plan.num_seqs) if n < finals[s]]
+        assert len(set(active_slots)) == len(active_slots)
+        assert schedule.pages[n] == 1 + np.count_nonzero(table)
+    expected_pages = sum(-(-f // plan.block) for f in finals)
+    assert schedule.pages[-1] == 1 + expected_pages
+
+
+def test_decode_plan_growth_step_is_whole_blocks_and_granules():
+    from jaxbuf.bench.jax_decode import _Plan
+
+    granule = 2 << 20
+    gpu_like = _Plan(32, 8, 128, 16, 2048, 8, granule)
+    assert gpu_like.block_bytes == 128 << 10
+    assert gpu_like.growth_blocks * gpu_like.block_bytes % granule == 0
+    assert gpu_like.growth_step_bytes == gpu_like.growth_blocks * gpu_like.block_bytes
+    assert gpu_like.capacity(1) == gpu_like.growth_blocks
+    assert gpu_like.capacity(gpu_like.total_blocks) == gpu_like.total_blocks  # capped
+    assert gpu_like.capacity(gpu_like.growth_blocks + 1) == 2 * gpu_like.growth_blocks
+    tiny = small_plan()  # a growth step smaller than a granule: whole blocks, plus rounding
+    step = tiny.growth_blocks * tiny.block_bytes
+    assert step < granule and tiny.growth_step_bytes == step + granule
+
+
+@needs_jax
+@pytest.mark.parametrize(
+    "write_path",
+    ["numpy", pytest.param("torch", marks=needs_torch)],
+)
+def test_decode_write_paths_agree_with_the_preallocated_cache(write_path):
+    from jaxbuf.bench.jax_decode import _Model, _run, _schedule
+
+    device = as_device("cpu")
+    plan = small_plan()
+    model = _Model(plan, device, write_path)
+    schedule = _schedule(plan, "mixed")
+    jaxbuf = _run(model, "jaxbuf", schedule, device)
+    preallocated = _run(model, "preallocated", schedule, device)
+    realloc = _run(model, "realloc", schedule, device)
+    for run in (jaxbuf, realloc):
+        np.testing.assert_array_equal(run.block_table, preallocated.block_table)
+        np.testing.assert_allclose(run.out, preallocated.out, rtol=1e-5, atol=1e-5)
+    assert len(jaxbuf.step_s) == schedule.steps
+    assert set(jaxbuf.held_bytes) == {plan.granule}  # the whole cache fits one granule
+
+
+@needs_jax
+def test_decode_refuses_a_donated_import_that_is_copied():
+    """The CPU client copies a donated import: forcing the in-place path must fail loudly
+    instead of timing a JAX-owned copy as if it were jaxbuf memory."""
+    from jaxbuf.bench.jax_decode import _donation_in_place, _Model, _run, _schedule
+
+    device = as_device("cpu")
+    assert _donation_in_place(device) is False
+    plan = small_plan()
+    model = _Model(plan, device, "donate")
+    with pytest.raises(RuntimeError, match="in place"):
+        _run(model, "jaxbuf", _schedule(plan, "short"), device)
+
+
+# -- the plot ----------------------------------------------------------------------------------
+def decode_result(profiles=("short", "long")) -> list[dict]:
+    rows = []
+    for profile in profiles:
+        series = {
+            variant: {"step_s": [1e-3, 2e-3, 1e-3], "held_bytes": [1 << 20, 2 << 20, 2 << 20]}
+            for variant in ("jaxbuf", "preallocated", "realloc")
+        }
+        params = {
+            "kind": "decode-step",
+            "profile": profile,
+            "series": series,
+            "needed_bytes": [1 << 20, 1 << 20, 2 << 20],
+        }
+        rows.append(Row(f"decode {profile}", 1e-3, "b", 1e-3, params=params).to_json())
+        rows.append(Row("other", 1e-3, params={"kind": "decode-memory"}).to_json())
+    return [{"name": "jax.decode", "rows": rows}]
+
+
+def test_plot_decode_draws_each_profile(tmp_path):
+    pytest.importorskip("matplotlib")
+    from jaxbuf.cli._bench import _plot_decode
+
+    path = tmp_path / "sub" / "decode.png"
+    assert _plot_decode(decode_result(), path, as_device("cpu")) is True
+    assert path.read_bytes()[:8] == PNG
+    assert _plot_decode([{"name": "x", "rows": []}], tmp_path / "none.png", "cpu") is False
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_plot_paths():
+    from jaxbuf.cli._bench import PLOT_DEFAULT, _plot_paths
+
+    cpu = as_device("cpu")
+    assert _plot_paths(PLOT_DEFAULT, cpu, ["growth", "decode"]) == {
+        "growth": Path("results/growth-cpu.png"),
+        "decode": Path("results/decode-cpu.png"),
+    }
+    # An explicit path names the first plot drawn; the other goes beside it.
+    assert _plot_paths("out/p.png", cpu, ["growth", "decode"]) == {
+        "growth": Path("out/p.png"),
+        "decode": Path("out/p-decode.png"),
+    }
+    assert _plot_paths("out/p.png", cpu, ["decode"]) == {"decode": Path("out/p.png")}
+    assert _plot_paths("out/p.png", cpu, []) == {}
+
+
+@needs_jax
+def test_views_without_torch_keeps_its_rows_unjudged(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # ``import torch`` raises ImportError
+    rows = list(load_suites()["jax.views"].run(as_device("cpu"), True))
+    torch_rows = [row for row in rows if row.params.get("baseline_kind") == "torch"]
+    assert len(torch_rows) == 2
+    for row in torch_rows:
+        assert row.baseline_skipped and "torch is not installed" in row.notes
+        assert row.median_s > 0 and row.judged is None
+    jax_row = next(row for row in rows if row.params.get("baseline_kind") == "jax")
+    assert jax_row.baseline_median_s > 0
+
+
+@pytest.mark.gpu
+def test_jax_suites_on_the_gpu(tmp_path):
+    if CUDA_REASON is not None:
+        pytest.skip(f"no usable CUDA GPU: {CUDA_REASON}")
+    if JAX_REASON is not None:
+        pytest.skip(JAX_REASON)
+    result = run_bench(
+        "--only",
+        "jax",
+        "--quick",
+        "--device",
+        "cuda",
+        "--json",
+        "b.json",
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    document = json.loads((tmp_path / "b.json").read_text())
+    for name in SUITES:
+        for row in suite_rows(document, name):
+            if row["baseline_name"]:
+                check_row(row)
+    decode = suite_rows(document, "jax.decode")
+    assert {row["params"]["write_path"] for row in decode} <= {"donate", "torch"}
