@@ -45,8 +45,9 @@ class MemoryOwner(Protocol):
         it is freed or closed.
     ``export_anchor``
         The object an export keeps alive. It holds the allocation, so the memory outlives the
-        owner handle while arrays use it (today most owners return themselves; issue 12
-        replaces that with a ``jaxbuf._capsule.ExportAnchor`` counting the live exports).
+        owner handle while arrays use it: the ``jaxbuf._capsule.ExportAnchor`` of the
+        owner's :class:`Lifetime`, which counts the live exports (any other object is wrapped
+        in an anchor that its live exports share).
     """
 
     device: Device

@@ -76,8 +76,8 @@ class NumpyPacker:
         states = [t._staging for t in tensors]
         num_groups = len(states)
         bases, contents_bytes = _content_bases(states, layout)
-        table = resolve_later_wins(_staged_table(states, staged_bytes, layout, bases),
-                                   layout.itemsizes)  # fmt: skip
+        staged = _staged_table(states, staged_bytes, layout, bases)
+        table = resolve_later_wins(staged, layout.itemsizes)
         num_writes = table.shape[0]
         contents_start = (num_groups * GROUP_FIELDS + num_writes * WRITE_FIELDS) * 8
         total = contents_start + contents_bytes
@@ -125,9 +125,9 @@ def _staged_table(
     offsets into the contents region filled in."""
     counts = [n // RECORD_BYTES for n in staged_bytes]
     # np.concatenate copies: the views of the staging buffers die with this statement.
-    table = np.concatenate(
-        [np.frombuffer(state.records, np.int64) for state in states]
-    ).reshape(-1, WRITE_FIELDS)
+    table = np.concatenate([np.frombuffer(state.records, np.int64) for state in states]).reshape(
+        -1, WRITE_FIELDS
+    )
     table[:, 0] = np.repeat(layout.group_ids, counts)
     byte_lengths = table[:, 4] * np.repeat(layout.itemsizes, counts)
     ends = np.cumsum(byte_lengths) + np.repeat(

@@ -8,23 +8,26 @@
  * jaxbuf/_staging_host.py) converts, validates and raises the precise error. So this file
  * decides nothing the Python path does not also decide; it only saves the interpreter's time on
  * the common case (a numpy array of the right dtype), which vLLM-style loops call hundreds of
- * times per step. Stager.stage_columns(rows, starts, lengths, contents) stages a whole batch
- * (int64 columns and the values' bytes, already of the target dtype) in one call, all or
- * nothing: the JAX staging object (jaxbuf/kernels/jax_staged.py) uses it.
+ * times per step. For whole batches, all or nothing, the JAX staging object
+ * (jaxbuf/kernels/jax_staged.py) has Stager.stage_many(rows, starts, values_list) (Python lists
+ * of plain writes, in one C loop) and Stager.stage_columns(rows, starts, lengths, contents)
+ * (int64 columns and the values' bytes, converted by numpy).
  *
  * Later wins, without sorting. Writes of one batch may overlap; where they do, the later one
  * must win, and the kernel must not depend on the order its programs run in. So the stager
  * keeps, as writes are staged (O(1) amortised each), an open-addressing hash from target row to
  * the last write to that row, a per-write link to the previous write to the same row, and the
- * list of rows written more than once. resolve() walks only those rows' chains, newest write to
- * oldest, keeping the element intervals already covered: an older write hidden entirely is
- * dropped, one hidden in part is split into its visible pieces (each an ordinary write-table
- * entry: same row, its own start and length, its content offset moved by as much). The writes
- * it emits never overlap, so the kernel always runs in parallel, one program per write, and the
- * result is the in-order result. A batch whose rows never repeat costs nothing here; rows that
- * repeat without overlapping cost the chain walk. Records appended by the Python paths are
- * indexed on the next stage() or resolve() (they are caught up in order). Clearing the buffers
- * goes through reset() or clear(), O(1): the hash's slots carry a generation stamp.
+ * list of "dirty" rows, whose writes may overlap: a write to a row seen before is checked
+ * against that row's earlier writes (at most CLEAN_CHECK_LIMIT of them; a row written more often
+ * is dirty regardless). resolve() walks only the dirty rows' chains, newest write to oldest,
+ * keeping the element intervals already covered: an older write hidden entirely is dropped, one
+ * hidden in part is split into its visible pieces (each an ordinary write-table entry: same
+ * row, its own start and length, its content offset moved by as much). The writes it emits
+ * never overlap, so the kernel always runs in parallel, one program per write, and the result
+ * is the in-order result. A batch without overlaps costs nothing here at pack time, whether
+ * rows repeat or not. Records appended by the Python paths are indexed on the next stage() or
+ * resolve() (they are caught up in order). Clearing the buffers goes through reset() or
+ * clear(), O(1): the hash's slots carry a generation stamp.
  *
  * pack(stagers, group_table, address, capacity) lays an apply out in a pinned staging slot:
  * the group table, the resolved write table (each write or piece with its group id and the byte
@@ -45,11 +48,16 @@
 #define FATE_DROP (-2) /* later writes cover it entirely */
 /* Any other fate is the index of the write's first visible piece in Stager.pieces. */
 
+/* Rows written up to this many times are checked for overlap as they are staged; a row written
+ * more often is resolved at pack time whether its writes overlap or not. */
+#define CLEAN_CHECK_LIMIT 8
+
 typedef struct {
     long long row;
-    Py_ssize_t last;  /* the last write to this row */
-    Py_ssize_t count; /* writes to this row in the batch */
+    Py_ssize_t last;    /* the last write to this row */
+    Py_ssize_t count;   /* writes to this row in the batch */
     unsigned int stamp; /* == Stager.generation: the slot is in use */
+    int dirty;          /* some of its writes may overlap: resolve() walks it */
 } RowSlot;
 
 typedef struct {
@@ -78,8 +86,8 @@ typedef struct {
     RowSlot *slots;       /* capacity a power of two, at most half used */
     Py_ssize_t slot_capacity, slot_used;
     unsigned int generation;
-    long long *repeated;  /* rows written more than once */
-    Py_ssize_t num_repeated, repeated_capacity;
+    long long *dirty;     /* rows whose writes may overlap (see RowSlot.dirty) */
+    Py_ssize_t num_dirty, dirty_capacity;
     Piece *pieces;        /* visible pieces of split writes, each write's in start order */
     Py_ssize_t num_pieces, piece_capacity;
     Interval *covered;    /* the chain walk's covered intervals, sorted, disjoint */
@@ -145,7 +153,7 @@ static inline Py_ssize_t num_records(Stager *s) {
 static void reset_tracking(Stager *s) {
     s->tracked = 0;
     s->slot_used = 0;
-    s->num_repeated = 0;
+    s->num_dirty = 0;
     s->num_pieces = 0;
     s->resolved_for = -1;
     if (++s->generation == 0) { /* wrapped: forget every stamp */
@@ -183,6 +191,18 @@ static int grow_slots(Stager *s) {
     return 0;
 }
 
+/* Whether write w overlaps one of the writes of the chain from write `from` (its row's earlier
+ * writes: fewer than CLEAN_CHECK_LIMIT). */
+static int overlaps_earlier(Stager *s, Py_ssize_t w, Py_ssize_t from) {
+    const long long *record = record_at(s, w);
+    long long start = record[2], end = start + record[4];
+    for (Py_ssize_t v = from; v >= 0; v = s->links[v]) {
+        const long long *earlier = record_at(s, v);
+        if (earlier[2] < end && earlier[2] + earlier[4] > start) return 1;
+    }
+    return 0;
+}
+
 /* Index records [tracked, n) in order: O(1) amortised per write. -1 with MemoryError (the
  * writes indexed so far stay indexed; a later call resumes). */
 static int track(Stager *s) {
@@ -192,8 +212,8 @@ static int track(Stager *s) {
     if (reserve((void **)&s->links, &s->link_capacity, n, sizeof(Py_ssize_t)) < 0 ||
         reserve((void **)&s->fates, &s->fate_capacity, n, sizeof(Py_ssize_t)) < 0)
         return -1;
-    /* At most one new repeated row per write: reserve so the loop cannot fail half-way. */
-    if (reserve((void **)&s->repeated, &s->repeated_capacity, s->num_repeated + (n - s->tracked),
+    /* At most one new dirty row per write: reserve so the loop cannot fail half-way. */
+    if (reserve((void **)&s->dirty, &s->dirty_capacity, s->num_dirty + (n - s->tracked),
                 sizeof(long long)) < 0)
         return -1;
     s->resolved_for = -1;
@@ -208,11 +228,16 @@ static int track(Stager *s) {
             slot->stamp = s->generation;
             slot->row = row;
             slot->count = 1;
+            slot->dirty = 0;
             s->links[w] = -1;
             s->slot_used++;
         } else {
             s->links[w] = slot->last;
-            if (++slot->count == 2) s->repeated[s->num_repeated++] = row;
+            if (!slot->dirty &&
+                (++slot->count > CLEAN_CHECK_LIMIT || overlaps_earlier(s, w, slot->last))) {
+                slot->dirty = 1;
+                s->dirty[s->num_dirty++] = row;
+            }
         }
         slot->last = w;
         s->fates[w] = FATE_KEEP;
@@ -232,7 +257,7 @@ static int add_piece(Stager *s, Py_ssize_t write, long long start, long long len
     return 0;
 }
 
-/* Walk one repeated row's writes newest to oldest, setting each one's fate. *emitted changes by
+/* Walk one dirty row's writes newest to oldest, setting each one's fate. *emitted changes by
  * the writes dropped and the pieces added, s->hidden by the elements hidden. */
 static int resolve_row(Stager *s, long long row, Py_ssize_t *emitted) {
     RowSlot *slot = find_slot(s, row);
@@ -306,8 +331,8 @@ static Py_ssize_t resolve(Stager *s) {
     Py_ssize_t emitted = n;
     s->num_pieces = 0;
     s->hidden = 0;
-    for (Py_ssize_t r = 0; r < s->num_repeated; r++) {
-        if (resolve_row(s, s->repeated[r], &emitted) < 0) return -1;
+    for (Py_ssize_t r = 0; r < s->num_dirty; r++) {
+        if (resolve_row(s, s->dirty[r], &emitted) < 0) return -1;
     }
     s->resolved_for = n;
     s->resolved = emitted;
@@ -446,6 +471,91 @@ done:
     return result;
 }
 
+/* stage_many(rows, starts, values_list) -> -1 when every write is staged, else the index of
+ * the first write that is not plain (see stage()) or not in bounds, and nothing is staged (the
+ * caller's general path then converts and says why). rows, starts and values_list: lists or
+ * tuples of one length (anything else: 0). All or nothing, and no Python per write. */
+static PyObject *stager_stage_many(Stager *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "stage_many(rows, starts, values_list) takes 3 arguments");
+        return NULL;
+    }
+    for (int a = 0; a < 3; a++) {
+        if (!PyList_CheckExact(args[a]) && !PyTuple_CheckExact(args[a])) return PyLong_FromLong(0);
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(args[0]);
+    if (PySequence_Fast_GET_SIZE(args[1]) != n || PySequence_Fast_GET_SIZE(args[2]) != n)
+        return PyLong_FromLong(0);
+    PyObject **row_items = PySequence_Fast_ITEMS(args[0]);
+    PyObject **start_items = PySequence_Fast_ITEMS(args[1]);
+    PyObject **value_items = PySequence_Fast_ITEMS(args[2]);
+    Py_buffer *views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    if (views == NULL) return PyErr_NoMemory();
+    PyObject *result = NULL;
+    Py_ssize_t held = 0, nonempty = 0, bad = -1;
+    long long total = 0;
+    /* Pass 1: every write plain and in bounds, holding its buffer. */
+    for (; held < n; held++) {
+        long long row, start;
+        Py_buffer *view = &views[held];
+        if (!exact_index(row_items[held], &row) || !exact_index(start_items[held], &start) ||
+            !PyObject_CheckBuffer(value_items[held])) {
+            bad = held;
+            break;
+        }
+        if (PyObject_GetBuffer(value_items[held], view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();
+            bad = held;
+            break;
+        }
+        long long length = (long long)view->shape[0];
+        if (view->ndim != 1 || view->itemsize != self->itemsize || view->format == NULL ||
+            strcmp(view->format, self->format) != 0 || row < 0 || row >= self->num_rows ||
+            start < 0 || start > self->row_len - length) {
+            PyBuffer_Release(view);
+            bad = held;
+            break;
+        }
+        nonempty += length > 0;
+        total += view->len;
+    }
+    if (bad >= 0) {
+        result = PyLong_FromSsize_t(bad);
+        goto done;
+    }
+    /* Pass 2: grow each buffer once, then copy. */
+    Py_ssize_t old_contents = PyByteArray_GET_SIZE(self->contents);
+    Py_ssize_t old_records = PyByteArray_GET_SIZE(self->records);
+    if (PyByteArray_Resize(self->contents, old_contents + (Py_ssize_t)total) < 0) goto done;
+    if (PyByteArray_Resize(self->records, old_records + nonempty * RECORD_BYTES) < 0) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyByteArray_Resize(self->contents, old_contents);
+        PyErr_Restore(type, value, traceback);
+        goto done;
+    }
+    char *into = PyByteArray_AS_STRING(self->contents) + old_contents;
+    long long *record = (long long *)(PyByteArray_AS_STRING(self->records) + old_records);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t length = views[i].shape[0];
+        if (length == 0) continue;
+        memcpy(into, views[i].buf, (size_t)views[i].len);
+        into += views[i].len;
+        record[0] = 0;
+        record[1] = PyLong_AsLongLong(row_items[i]); /* exact ints, checked in pass 1 */
+        record[2] = PyLong_AsLongLong(start_items[i]);
+        record[3] = 0;
+        record[4] = length;
+        record += RECORD_FIELDS;
+    }
+    if (track(self) < 0) PyErr_Clear(); /* staged; resolve() retries the indexing */
+    result = PyLong_FromLong(-1);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    return result;
+}
+
 /* resolve() -> (num_writes, num_elements): what write_columns emits. */
 static PyObject *stager_resolve(Stager *self, PyObject *unused) {
     Py_ssize_t emitted = resolve(self);
@@ -576,7 +686,7 @@ static void stager_dealloc(Stager *self) {
     PyMem_Free(self->links);
     PyMem_Free(self->fates);
     PyMem_Free(self->slots);
-    PyMem_Free(self->repeated);
+    PyMem_Free(self->dirty);
     PyMem_Free(self->pieces);
     PyMem_Free(self->covered);
     Py_XDECREF(self->records);
@@ -642,8 +752,8 @@ static PyObject *pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             if (n == 0) continue;
             memcpy(slot + contents_start + base, PyByteArray_AS_STRING(s->contents), (size_t)size);
             long long offset = base;
-            if (s->num_repeated == 0) {
-                /* Every write its own row: the records as they are, group and offset filled. */
+            if (s->num_dirty == 0) {
+                /* No two writes overlap: the records as they are, group and offset filled. */
                 memcpy(table, PyByteArray_AS_STRING(s->records), (size_t)n * RECORD_BYTES);
                 for (Py_ssize_t w = 0; w < n; w++, table += RECORD_FIELDS) {
                     table[0] = g;
@@ -721,6 +831,9 @@ static PyMethodDef stager_methods[] = {
     {"stage_columns", (PyCFunction)(void (*)(void))stager_stage_columns, METH_FASTCALL,
      "stage_columns(rows, starts, lengths, contents) -> -1 when all are staged, else the index "
      "of the first write out of bounds (nothing staged)"},
+    {"stage_many", (PyCFunction)(void (*)(void))stager_stage_many, METH_FASTCALL,
+     "stage_many(rows, starts, values_list) -> -1 when all are staged, else the index of the "
+     "first write to take the general path (nothing staged)"},
     {"resolve", (PyCFunction)stager_resolve, METH_NOARGS,
      "resolve() -> (num_writes, num_elements) left once later writes hide earlier ones"},
     {"write_columns", (PyCFunction)(void (*)(void))stager_write_columns, METH_FASTCALL,

@@ -153,7 +153,7 @@ class FusedStagedWriter:
         # The strategies, each chosen once: how to pack, how to launch, how to submit.
         packer = new_packer()
         self._pack, self._clear = packer.pack, packer.clear
-        self._launch = make_launcher(self.backend, device)
+        self._launch = make_launcher(self.backend, device, driver)
         self._submit = self._submit_on_stream if device.is_cuda else self._submit_now
         self._closed = False
 

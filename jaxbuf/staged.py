@@ -17,9 +17,10 @@ device reads in place (no separate host-to-device copy), and the launch goes thr
 cached launcher. Without the extension, the same happens in Python and numpy, only slower.
 
 Order is defined: writes staged before one apply take effect in staging order, so where two
-overlap the later one wins, on the GPU as on the CPU. Overlap is detected on the host (a repeated
-row is the cheap first test); only then does the launch run its writes in order (still one
-launch).
+overlap the later one wins, on the GPU as on the CPU. The C stager indexes the writes by row as
+they are staged; where two overlap, packing keeps only what later writes leave visible (the
+earlier write dropped or split into pieces), so the one launch always runs every write in
+parallel and costs the same whatever the pattern of rows (see ``jaxbuf/_staging.c``).
 
 Ownership: the target memory is kept alive by the framework arrays made from ``gpu``
 (``torch.from_dlpack(swt.gpu)``, :meth:`~StagedWriteTensor.to_numpy`, ...). ``free()`` means

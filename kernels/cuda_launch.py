@@ -36,7 +36,6 @@ __all__ = [
     "PackedArguments",
     "argument_layout",
     "kernel_parameters",
-    "launch_grid",
     "ptx_parameter_sizes",
 ]
 
@@ -99,6 +98,8 @@ def kernel_parameters(compiled: Any) -> tuple[Parameter, ...]:
     def index_of(key: Any) -> int:
         # Triton keys arguments by name (3.3+), by index, or by an index path (constants).
         if isinstance(key, str):
+            if key not in arg_names:
+                raise DirectLaunchUnavailable(f"the signature names {key!r}, not an argument")
             return list(arg_names).index(key)
         if isinstance(key, tuple):
             if len(key) != 1:
@@ -229,12 +230,6 @@ def ptx_parameter_sizes(ptx: str) -> tuple[int, ...]:
     for param in _PTX_PARAM.finditer(match.group("params").strip()):
         sizes.append(int(param.group("bits")) // 8 * int(param.group("count") or 1))
     return tuple(sizes)
-
-
-def launch_grid(num_writes: int, serial: bool = False, num_segments: int = 0) -> int:
-    """Programs of one staged-write launch: one per write, or one per segment when
-    ``serial``; 0 means nothing to launch."""
-    return num_segments if serial else num_writes
 
 
 class DirectLauncher:

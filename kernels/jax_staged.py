@@ -4,14 +4,14 @@ The host stages a step's writes in a :class:`StagedWrites` (the C stager that
 :class:`jaxbuf.staged.StagedWriteTensor` uses: no Python loop per write) and packs them into a
 :class:`PackedWrites` whose shapes are bucketed (write count and content length rounded up to
 powers of two, at least 16), so a steady decode loop reuses one compiled step;
-:func:`pack_writes` does both for one batch of lists. Inside ``jit``, :func:`apply_staged_writes` applies
-them on a GPU with the Triton staged-write kernel through ``jax_triton``
-(:mod:`jaxbuf.kernels.jax_triton_apply`), which aliases the array to its output (a donated array
-is updated in place), and elsewhere with an XLA scatter (the deprecated Pallas-Triton kernel is
-kept as ``method="pallas"``). Overlapping writes are resolved on the host as the torch side
-resolves them (the stager's row index, later writes winning, the earlier ones trimmed to their
-visible pieces), so every path sees disjoint writes and its result does not depend on execution
-order.
+:func:`pack_writes` does both for one batch of lists. Inside ``jit``,
+:func:`apply_staged_writes` applies them on a GPU with the Triton staged-write kernel through
+``jax_triton`` (:mod:`jaxbuf.kernels.jax_triton_apply`), which aliases the array to its output
+(a donated array is updated in place), and elsewhere with an XLA scatter (the deprecated
+Pallas-Triton kernel is kept as ``method="pallas"``). Overlapping writes are resolved on the
+host as the torch side resolves them (the stager's row index, later writes winning, the earlier
+ones trimmed to their visible pieces), so every path sees disjoint writes and its result does not
+depend on execution order.
 
 This is the JAX counterpart of :mod:`jaxbuf.kernels.staged_write` (the Triton launcher), and
 like it a launcher that imports its framework (JAX, lazily, inside the functions that trace).
@@ -184,9 +184,14 @@ class StagedWrites:
 
         ``rows`` and ``starts``: sequences or arrays of integers. ``values_list``: a sequence of
         1-D values (numpy arrays, lists, JAX arrays, ...) or one 2-D numpy array (one write per
-        row). The common cases take no Python loop per write: the values are concatenated by
-        numpy, converted at once, and the writes checked and staged by one C call.
+        row). The common cases take no Python loop per write: lists of Python ints and of
+        numpy arrays of the target dtype are staged by one C loop; otherwise the values are
+        concatenated by numpy, converted at once, and the writes checked and staged by one C
+        call.
         """
+        stager = self._staging.stager
+        if stager is not None and stager.stage_many(rows, starts, values_list) < 0:
+            return  # lists of plain writes (exact ints, numpy arrays of the dtype), in one C loop
         rows, starts = _as_indices(rows, "rows"), _as_indices(starts, "starts")
         count = len(values_list) if hasattr(values_list, "__len__") else -1
         if not rows.shape[0] == starts.shape[0] == count:
@@ -197,7 +202,6 @@ class StagedWrites:
         if not count:
             return
         flat, lengths = self._flatten(values_list, count)
-        stager = self._staging.stager
         if stager is not None:
             bad = stager.stage_columns(rows, starts, lengths, flat.view(np.uint8))
         else:

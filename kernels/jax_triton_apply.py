@@ -25,6 +25,7 @@ Importing this module needs Triton only; ``jax_triton`` and JAX are imported on 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import triton.language as tl
@@ -113,6 +114,11 @@ def jax_triton_unavailable_reason() -> str | None:
             f"jax_triton needs Triton >= {floor}, but Triton {version} is installed; "
             f"upgrade with: pip install -U 'triton>={floor}'"
         )
+    # jax_triton 0.3.1 sets TRITON_CACHE_DIR="" when imported, after which every kernel that
+    # Triton itself compiles in this process (the torch launcher's) fails with "Could not
+    # create or locate cache dir"; jax_triton's own compiles do not use that cache. Put back
+    # what was there.
+    cache_dir = os.environ.get("TRITON_CACHE_DIR")
     try:
         import jax_triton  # noqa: F401
     except ImportError as error:  # absent, or JAX without GPU support
@@ -120,6 +126,11 @@ def jax_triton_unavailable_reason() -> str | None:
             f"jax_triton cannot be imported ({error}); install it with "
             "pip install 'jaxbuf[jax-triton]' on a machine with a CUDA build of JAX"
         )
+    finally:
+        if cache_dir is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = cache_dir
     return None
 
 
@@ -177,6 +188,8 @@ def apply_packed_writes(
     if block <= 0 or block & (block - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     warps = default_warps if num_warps is None else num_warps
+    if warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {num_warps}")
     jt = load_jax_triton()
     if num_writes == 0 or array.size == 0:
         return array

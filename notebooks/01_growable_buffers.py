@@ -217,14 +217,18 @@ else:
 # %% [markdown]
 # ## Free
 #
-# `free()` releases the physical memory and the reservation; it is safe to call twice, and a
-# `with` block calls it. Drop framework arrays over the buffer first: after `free()` their
-# memory is gone.
+# `free()` means "I am done": no new views or exports, and the physical memory and the
+# reservation go when the last array exported from the buffer is gone (at once when there is
+# none). It waits for pending JAX and CUDA work first, is safe to call twice, and a `with`
+# block calls it. Arrays taken before `free()` keep reading their memory until dropped.
 
 # %%
-del t, a, raw_t, raw_a, seg, grown, whole
-buf.free()
 kv.free()
+buf.free()
+print("released:", buf.released, "| arrays still holding the memory:", buf.live_exports)
+print("torch still reads it: t[0, :4] =", t[0, :4].tolist())
+del t, a, raw_t, raw_a, seg, grown, whole
+print("after the last array: released =", buf.released, "| live exports:", buf.live_exports)
 buf.free()  # a second call is a no-op
 print(buf)
 

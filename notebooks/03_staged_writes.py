@@ -254,8 +254,9 @@ print(via_scatter)
 # %% [markdown]
 # ## Clean up
 #
-# Drop the framework arrays over the targets, then free them (`close()` / `free()` are
-# idempotent; a `with` block works too).
+# `free()` / `close()` mean "I am done": the memory goes with the last array over it, so
+# dropping the framework arrays first releases it at once. Both are idempotent; a `with`
+# block works too.
 
 # %%
 del as_jax

@@ -176,9 +176,10 @@ def attend(k_cache, v_cache, block_table, meta):
 
 # %% [markdown]
 # The K/V writes go through torch: `index_copy_` on torch views of the two segments, in
-# place. (Writing them from JAX would need donation of the cache array; JAX does not donate
-# an array imported through DLPack (it copies instead), so an in-place JAX write into
-# memory jaxbuf owns is not available this way. Small tables updated inside `jit` use
+# place, on every platform. (Writing them from JAX needs a jitted step that donates the
+# imported cache array: on a GPU that step writes jaxbuf memory in place, but its result is
+# no longer tracked by jaxbuf (see the README's "Limits"); JAX's CPU client copies a donated
+# import instead, so the cache would not change. Small tables updated inside `jit` use
 # `jaxbuf.jax_ops`, see notebook 3.)
 
 # %%
@@ -317,7 +318,8 @@ plt.show()
 # %% [markdown]
 # ## Clean up
 #
-# Drop the framework arrays over jaxbuf memory first, then free.
+# `free()` / `close()` mean "I am done": the memory goes with the last array over it, so
+# dropping the framework arrays first releases it at once.
 
 # %%
 del k_torch, v_torch, k_jax, v_jax, bt_jax, bt_torch, meta, out

@@ -447,7 +447,7 @@ CASES = [
          ValueError, "cpu", gpu=True),
     Case("cuda-view-to_numpy", None, lambda _: _cuda_view().to_numpy(), BufferError, "cuda:0",
          gpu=True),
-    Case("cuda-view-dl_device=cpu", None, lambda _: _cuda_view().__dlpack__(dl_device=(1, 0)),
+    Case("cuda-view-dl_device=cpu", None, lambda _: _cuda_view().__dlpack__(dl_device=(1, 0), copy=False),
          BufferError, (1, 0), gpu=True),
     Case("StagedWriteTensor-numpy-backend-on-cuda", None,
          lambda _: jaxbuf.StagedWriteTensor(8, "int32", "cuda", backend="numpy"), ValueError,

@@ -115,7 +115,16 @@ def test_staged_rows(jax_bench):
     for num_writes, factor in ((256, 1.0), (4096, 0.5)):
         mine = [row for row in rows if row["params"]["num_writes"] == num_writes]
         kinds = {row["params"]["kind"] for row in mine}
-        assert kinds == {"jax-staged-end-to-end", "jax-staged-apply", "jax-staged-pack"}
+        assert kinds == {
+            "jax-staged-end-to-end",
+            "jax-staged-apply",
+            "jax-staged-device",
+            "jax-staged-pack",
+        }
+        device_rows = [r for r in mine if r["params"]["kind"] == "jax-staged-device"]
+        # Device time per apply: on the CPU the scatter only; the target is the GPU's.
+        assert [r["params"]["method"] for r in device_rows] == ["scatter"]
+        assert device_rows[0]["target"] == "" and "fori_loop" in device_rows[0]["notes"]
         end_to_end = [r for r in mine if r["params"]["kind"] == "jax-staged-end-to-end"]
         assert [r["params"]["method"] for r in end_to_end] == ["scatter"]  # the CPU's path
         row = end_to_end[0]
@@ -176,7 +185,7 @@ def small_plan():
 
 @pytest.mark.parametrize("profile", ["short", "long", "mixed"])
 def test_decode_schedule_pages_and_slots(profile):
-    from jaxbuf.bench.jax_decode import _final_lengths, _schedule
+    from jaxbuf.bench._jax_decode_model import _final_lengths, _schedule
 
     plan = small_plan()
     schedule = _schedule(plan, profile)
@@ -244,7 +253,8 @@ def test_decode_write_paths_agree_with_the_preallocated_cache(write_path):
 def test_decode_refuses_a_donated_import_that_is_copied():
     """The CPU client copies a donated import: forcing the in-place path must fail loudly
     instead of timing a JAX-owned copy as if it were jaxbuf memory."""
-    from jaxbuf.bench.jax_decode import _donation_in_place, _Model, _run, _schedule
+    from jaxbuf.bench._jax_decode_model import _donation_in_place
+    from jaxbuf.bench.jax_decode import _Model, _run, _schedule
 
     device = as_device("cpu")
     assert _donation_in_place(device) is False

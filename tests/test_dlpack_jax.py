@@ -91,6 +91,10 @@ def test_numpy_to_jax_copy_and_alignment(device, shape, dtype, copy, aligned):
     target = jax_device(device)
     if not aligned and device != "cpu":
         pytest.skip("upstream checks JAX's alignment rule on its CPU client only")
+    if copy is True and device != "cpu":
+        # Seen on the H200 with jax 0.11.2: dlpack_managed_tensor_to_buffer raises
+        # UNIMPLEMENTED (the PJRT C API supports no copying HostBufferSemantics on CUDA).
+        pytest.skip("JAX's PJRT C API cannot import a CUDA DLPack tensor with copy=True")
     tensor, base, _ = make_view(device, "uint8", (256,))
     expected = reference(shape, dtype)
     offset = 0 if aligned else canonical_dtype(dtype).itemsize  # aligned to the item only

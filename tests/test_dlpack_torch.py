@@ -173,7 +173,7 @@ def _from_dlpack(view, out_device=None, copy=None):
 def test_copy(view5):
     view, _ = view5
     _from_dlpack(view, copy=True)
-    _from_dlpack(view, out_device=view.device.platform, copy=True)
+    _from_dlpack(view, out_device=str(view.device), copy=True)
     _from_dlpack(view, out_device="cpu", copy=True)
     if view.device.platform != "cpu":  # another device: copied
         _from_dlpack(view, out_device="cpu")
@@ -183,8 +183,8 @@ def test_no_copy(view5):
     view, _ = view5
     _from_dlpack(view)
     _from_dlpack(view, copy=False)
-    _from_dlpack(view, out_device=view.device.platform)
-    _from_dlpack(view, out_device=view.device.platform, copy=False)
+    _from_dlpack(view, out_device=str(view.device))
+    _from_dlpack(view, out_device=str(view.device), copy=False)
 
 
 @pytest.mark.gpu

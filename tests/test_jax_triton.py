@@ -162,6 +162,30 @@ def test_triton_without_jax_triton_names_it(monkeypatch, fresh_reason):
     assert int(got[0, 0]) == 1
 
 
+@pytest.mark.parametrize("cache_dir", [None, "/somewhere/triton-cache"])
+def test_importing_jax_triton_keeps_tritons_cache_dir(
+    monkeypatch, tmp_path, fresh_reason, cache_dir
+):
+    # jax_triton 0.3.1 sets TRITON_CACHE_DIR="" at import, which breaks every later compile by
+    # Triton's own JIT (the torch launcher) in the process; a stand-in module does the same.
+    (tmp_path / "jax_triton").mkdir()
+    (tmp_path / "jax_triton" / "__init__.py").write_text(
+        'import os\nos.environ["TRITON_CACHE_DIR"] = ""\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
+    if cache_dir is None:
+        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_CACHE_DIR", cache_dir)
+    try:
+        assert jax_triton_apply.jax_triton_unavailable_reason() is None
+        assert sys.modules["jax_triton"].__file__.startswith(str(tmp_path))
+    finally:
+        sys.modules.pop("jax_triton", None)  # monkeypatch puts back a real one it removed
+    assert os.environ.get("TRITON_CACHE_DIR") == cache_dir
+
+
 def test_old_jax_or_triton_names_the_needed_version(monkeypatch, fresh_reason):
     import triton
 
@@ -184,6 +208,8 @@ def test_bad_kernel_arguments_raise_before_jax_triton_is_needed():
     packed = pack_writes([0], [0], [[1]], "int32")
     with pytest.raises(ValueError, match="power of two"):
         jax_triton_apply.apply_packed_writes(jnp.zeros(SHAPE, jnp.int32), packed, block_size=48)
+    with pytest.raises(ValueError, match="num_warps"):
+        jax_triton_apply.apply_packed_writes(jnp.zeros(SHAPE, jnp.int32), packed, num_warps=3)
 
 
 @pytest.mark.parametrize(
@@ -250,7 +276,8 @@ def _run_interpreted(array: np.ndarray, packed, block_size: int) -> np.ndarray:
     """The kernel as jax_triton launches it (operands, then scalars, then the aliased output),
     on host memory under the interpreter."""
     target = _torch(array.copy())
-    operands = [_torch(np.asarray(field)) for field in packed]
+    fields = (packed.rows, packed.starts, packed.lengths, packed.offsets, packed.values)
+    operands = [_torch(np.asarray(field)) for field in fields]
     kernel = jax_triton_apply.interpreted_kernel()
     kernel[(packed.rows.shape[0],)](
         *operands, target, array.shape[0], array.shape[1], target, BLOCK_SIZE=block_size
@@ -276,7 +303,6 @@ def test_interpreted_kernel_matches_the_numpy_model(dtype):
 
 # -- the jax_triton lowering for CUDA, offline --------------------------------------------------
 _LOWER_FOR_CUDA = textwrap.dedent("""
-    import sys
     import numpy as np
     from jax._src.lib import gpu_triton
 

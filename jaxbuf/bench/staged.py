@@ -9,11 +9,16 @@ Suites:
   device=...)`` host-to-device copy, one launch of the same kernel through its ordinary
   launcher), (b) one torch indexing assignment per write, (c) ``index_put_`` per table,
   building its indices included.
-* ``staged.overlap``: an apply in which every row is written twice, overlapping (later wins):
-  the launch grouped by target row (one program per row) against one program walking every
-  write in order, the simple way to keep the order.
+* ``staged.overlap``: applies in which writes overlap (later wins): every row written twice,
+  and uniformly random rows and starts in a narrow window. jaxbuf resolves the overlaps from the
+  row index the C stager keeps as writes are staged (hidden writes dropped or trimmed) and
+  launches in parallel; the baseline is the design it replaced, in the same run: the packed
+  table's overlap test and grouping by row on the host (two numpy ``lexsort`` per apply), then
+  the serial launch (one program per row walking its writes in order).
 * ``staged.stage``: one ``stage_write`` of 16 elements (numpy and list input) against the
   seed's list staging, and the cost with 64 Ki writes already staged against none.
+
+The apply per write pattern (``staged.patterns``) is in :mod:`jaxbuf.bench.staged_patterns`.
 
 On the CPU the kernel of both jaxbuf and the seed-style baseline is the numpy reference
 (Triton's interpreter is a test tool, far too slow to time); sizes are small there.
@@ -324,61 +329,132 @@ def apply_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
         yield from _apply_rows(device, num_writes, quick)
 
 
+class _SerialApply:
+    """The baseline of ``staged.overlap``: the overlap handling before the C stager resolved
+    overlaps (do not "fix" it). Each apply copies the staged table into a pinned slot, runs the
+    exact overlap test (a numpy ``lexsort``), groups the writes by row (a second ``lexsort``)
+    and launches the serial kernel, one program per row walking its writes in order."""
+
+    def __init__(self, device: Any, target: Any, writes: list, row_len: int) -> None:
+        from jaxbuf.kernels import make_write_table
+        from jaxbuf.uva import UvaBuffer
+
+        num_writes = len(writes)
+        lengths = np.array([len(v) for _, _, v in writes], np.int64)
+        self.device = device
+        self.num_writes = num_writes
+        self.staged = make_write_table(
+            np.zeros(num_writes),
+            [w[0] for w in writes],
+            [w[1] for w in writes],
+            (np.cumsum(lengths) - lengths) * 4,
+            lengths,
+        )
+        self.table = UvaBuffer((num_writes, 5), "int64", device)
+        self.segments = UvaBuffer(num_writes + 1, "int64", device)
+        contents = np.concatenate([v for _, _, v in writes])
+        self.contents = UvaBuffer(contents.shape, "int32", device)
+        self.contents.np[:] = contents
+        self.groups = UvaBuffer((1, 3), "int64", device)
+        self.groups.np[:] = [[target.data_ptr(), row_len, 4]]
+
+    def apply(self) -> None:
+        from jaxbuf.kernels import IntsAt, apply_staged_writes, has_overlap, row_segments
+
+        table = self.table.np
+        table[:] = self.staged  # what packing copied into the slot
+        serial = has_overlap(table[:, 0], table[:, 1], table[:, 2], table[:, 4])
+        segments = None
+        if serial:
+            bounds = row_segments(table)
+            self.segments.np[: bounds.size] = bounds
+            segments = IntsAt(self.segments.device_ptr, bounds.size)
+        apply_staged_writes(
+            self.table.device_ptr,
+            self.groups.device_ptr,
+            self.contents.device_ptr,
+            self.num_writes,
+            serial=serial,
+            segments=segments,
+            interpret=not self.device.is_cuda,
+        )
+
+    def close(self) -> None:
+        for buffer in (self.table, self.segments, self.contents, self.groups):
+            buffer.free()
+
+
 @suite("staged.overlap", requires=("torch", "triton"))
 def overlap_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
-    """Overlapping writes: one program per row against one program for every write."""
+    """Overlapping writes: resolved as staged, one parallel launch, against the host's overlap
+    test, row grouping and serial launch."""
+    import torch
+
     from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor
-
-    class _OneProgramWriter(FusedStagedWriter):
-        """The baseline: the whole serial apply in one program (a single segment)."""
-
-        def _row_segments(self, i, num_groups, num_writes, event):
-            address, _ = super()._row_segments(i, num_groups, num_writes, event)
-            self._slots[i].segments.np[:2] = (0, num_writes)
-            return address, 1
 
     # On the CPU the kernel runs under Triton's interpreter: few writes, few repeats.
     num_rows = 16 if not device.is_cuda else (64 if quick else 128)
+    row_len = 64
     repeat = 3 if not device.is_cuda else (5 if quick else 20)
     rng = np.random.default_rng(7)
-    writes = []
-    for row in rng.permutation(num_rows).tolist() * 2:  # every row twice: each pair overlaps
-        writes.append((row, 0, rng.integers(0, 2**31, 16, dtype=np.int64).astype(np.int32)))
-    yield Sizes(f"{len(writes)} writes of 16 int32, each of {num_rows} rows written twice")
+
+    def values() -> np.ndarray:
+        return rng.integers(0, 2**31, 16, dtype=np.int64).astype(np.int32)
+
+    twice = [(row, 0, values()) for row in rng.permutation(num_rows).tolist() * 2]
+    window = [
+        (int(rng.integers(num_rows)), int(rng.integers(0, 24)), values())
+        for _ in range(2 * num_rows)
+    ]
+    workloads = (("every row twice", twice), ("random rows, starts in 0..23", window))
+    yield Sizes(
+        f"{2 * num_rows} writes of 16 int32 into {num_rows} rows of {row_len}: every row "
+        "written twice at start 0, or random rows and starts in 0..23"
+    )
     sync = device_synchronizer(device)
-    results = {}
-    for name, writer_cls in (("grouped", FusedStagedWriter), ("one", _OneProgramWriter)):
-        swt = StagedWriteTensor((num_rows, 16), "int32", device)
-        writer = writer_cls(device, len(writes))
+    for label, writes in workloads:
+        expected = np.zeros((num_rows, row_len), np.int32)
+        for row, start, v in writes:
+            expected[row, start : start + 16] = v
+        swt = StagedWriteTensor((num_rows, row_len), "int32", device)
+        writer = FusedStagedWriter(device, len(writes))
+        target = torch.zeros((num_rows, row_len), dtype=torch.int32, device=device.torch())
+        baseline = _SerialApply(device, target, writes, row_len)
         try:
 
-            def stage(swt=swt) -> None:
-                for row, start, values in writes:
-                    swt.stage_write(row, start, values)
+            def stage(swt: Any = swt, writes: list = writes) -> None:
+                for row, start, v in writes:
+                    swt.stage_write(row, start, v)
 
-            results[name] = measure(
-                lambda _, w=writer, t=swt: w.apply([t]),
+            jaxbuf_t = measure(
+                lambda _, writer=writer, swt=swt: writer.apply([swt]),
                 setup=stage,
                 repeat=repeat,
                 warmup=1,
                 synchronize=sync,
             )
-            expected = np.zeros((num_rows, 16), np.int32)
-            for row, start, values in writes:
-                expected[row, start : start + 16] = values
-            if not np.array_equal(swt.to_torch().cpu().numpy(), expected):
-                raise AssertionError("overlap benchmark: later writes did not win")
+            baseline_t = measure(
+                baseline.apply,
+                repeat=repeat,
+                warmup=1,
+                synchronize=sync,
+            )
+            sync()
+            for got in (swt.to_torch().cpu().numpy(), target.cpu().numpy()):
+                if not np.array_equal(got, expected):
+                    raise AssertionError("overlap benchmark: later writes did not win")
         finally:
+            baseline.close()
             writer.close()
             swt.close()
-    yield Row(
-        f"apply {len(writes)} overlapping writes, grouped by row (end to end)",
-        results["grouped"].median_s,
-        "one program for every write, in order",
-        results["one"].median_s,
-        notes="" if device.is_cuda else "CPU: Triton interpreter",
-        params={"num_writes": len(writes), "kind": "overlap"},
-    )
+        yield Row(
+            f"apply {len(writes)} writes, {label}: resolved as staged, parallel (end to end)",
+            jaxbuf_t.median_s,
+            "host overlap test + row grouping (numpy), serial launch",
+            baseline_t.median_s,
+            notes="" if device.is_cuda else "CPU: Triton interpreter",
+            params={"num_writes": len(writes), "kind": "overlap", "workload": label},
+        )
 
 
 @suite("staged.stage")

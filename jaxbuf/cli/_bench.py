@@ -1,6 +1,7 @@
 """``jaxbuf bench``: run the suites of :mod:`jaxbuf.bench`, print a table per suite (its
 title states the sizes run), write the JSON result and, with ``--plot``, the plots: growth
-cost (``extensible.growth``) and the decode loop's memory and step time (``jax.decode``).
+cost (``extensible.growth``), the decode loop's memory and step time (``jax.decode``) and the
+staged apply's time against writes per pattern (``staged.patterns``).
 
 A suite whose optional dependency is missing is skipped with its reason (never a traceback
 or ``FAILED``); a row whose baseline was skipped is shown "not judged" instead of
@@ -29,8 +30,8 @@ from ._shared import (
     versions,
 )
 
-#: ``--plot`` given without a path: write ``results/growth-<device>.png`` and
-#: ``results/decode-<device>.png``.
+#: ``--plot`` given without a path: write ``results/growth-<device>.png``,
+#: ``results/decode-<device>.png`` and ``results/staged-<device>.png``.
 PLOT_DEFAULT = object()
 
 
@@ -192,7 +193,69 @@ def _plot_decode(results: list[dict[str, Any]], path: Path, device: Any) -> bool
     return True
 
 
-_PLOTTERS = {"growth": _plot_growth, "decode": _plot_decode}
+def _staged_series(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[int, float]]]:
+    """The ``staged.patterns`` apply rows as ``{timing: {label: {num_writes: seconds}}}``,
+    labels ``"<pattern>: jaxbuf"`` and ``"<pattern>: <baseline>"``."""
+    names = {"seed": "seed-style", "index_put": "torch index_put_"}
+    series: dict[str, dict[str, dict[int, float]]] = {}
+    for result in results:
+        for row in result["rows"]:
+            params = row["params"]
+            if params.get("kind") != "pattern-apply" or row["median_s"] is None:
+                continue
+            by_label = series.setdefault(params["timing"], {})
+            pattern, writes = params["pattern"], params["num_writes"]
+            by_label.setdefault(f"{pattern}: jaxbuf", {})[writes] = row["median_s"]
+            if row["baseline_median_s"] is not None:
+                baseline = names.get(params.get("baseline_kind"), row["baseline_name"])
+                by_label.setdefault(f"{pattern}: {baseline}", {})[writes] = row["baseline_median_s"]
+    return series
+
+
+def _plot_staged(results: list[dict[str, Any]], path: Path, device: Any) -> bool:
+    """PNG of one staged apply's time against the number of writes, per write pattern
+    (``staged.patterns``): jaxbuf solid, the seed-style apply dashed, torch ``index_put_``
+    dotted, one colour per pattern; host time and end to end side by side. False: no data."""
+    series = _staged_series(results)
+    if not series:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timings = [t for t in ("host", "end to end") if t in series]
+    figure, axes = plt.subplots(1, len(timings), figsize=(7 * len(timings), 5), squeeze=False)
+    styles = {"jaxbuf": "-", "seed-style": "--", "torch index_put_": ":"}
+    colours: dict[str, str] = {}
+    for axis, timing in zip(axes[0], timings):
+        for label, points in series[timing].items():  # the suite's order: patterns first
+            pattern, _, who = label.partition(": ")
+            colour = colours.setdefault(pattern, f"C{len(colours)}")
+            xs = sorted(points)
+            axis.plot(
+                xs,
+                [points[x] * 1e6 for x in xs],
+                styles.get(who, "-."),
+                marker="o",
+                color=colour,
+                label=label,
+            )
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("writes per apply")
+        axis.set_ylabel("time per apply (µs)")
+        axis.set_title(f"staged apply, {timing}, on {device}")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
+_PLOTTERS = {"growth": _plot_growth, "decode": _plot_decode, "staged": _plot_staged}
 
 
 def _has_growth_rows(results: list[dict[str, Any]]) -> bool:
@@ -321,14 +384,19 @@ def run(args: argparse.Namespace) -> int:
         out.line(f"skipped (a dependency is missing): {', '.join(skipped)}")
     out.line(f"results: {json_path}")
     if args.plot is not None:
-        present = {"growth": _has_growth_rows(serial), "decode": bool(_decode_series(serial))}
+        present = {
+            "growth": _has_growth_rows(serial),
+            "decode": bool(_decode_series(serial)),
+            "staged": bool(_staged_series(serial)),
+        }
         kinds = [kind for kind, has_rows in present.items() if has_rows]
         for kind, path in _plot_paths(args.plot, device, kinds).items():
             if _PLOTTERS[kind](serial, path, device):
                 out.line(f"plot: {path}")
         if not kinds:
             print(
-                "jaxbuf: warning: no rows to plot (run the extensible.growth or jax.decode suite)",
+                "jaxbuf: warning: no rows to plot (run the extensible.growth, jax.decode or "
+                "staged.patterns suite)",
                 file=sys.stderr,
             )
     return 1 if any(r["error"] for r in results) else 0

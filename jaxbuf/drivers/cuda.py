@@ -518,27 +518,11 @@ class CudaVmmDriver(VmmDriver):
         self._check(self._cu.cuEventSynchronize(event), "cuEventSynchronize")
 
     # -- kernels --------------------------------------------------------------------
-    def launch_kernel(
-        self,
-        function: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared: int,
-        stream: Any,
-        args: int,
-    ) -> None:
-        """``cuLaunchKernel`` with ``kernelParams=args`` (no ``extra``), in the current
-        context. On the hot path of every staged apply: one binding call, checked inline."""
-        (error,) = self._cu.cuLaunchKernel(function, *grid, *block, shared, stream, args, 0)
-        if error != self._success:
-            raise DriverError(
-                "cuLaunchKernel",
-                self._error_name(error),
-                grid=grid,
-                block=block,
-                shared=shared,
-                stream=hex(int(stream)),
-            )
+    def launch_kernel(self, function, grid, block, shared, stream, args) -> None:
+        """``cuLaunchKernel`` (``kernelParams=args``) in the current context: the hot path."""
+        result = self._cu.cuLaunchKernel(function, *grid, *block, shared, stream, args, 0)
+        if result[0] != self._success:
+            self._check(result, "cuLaunchKernel", grid=grid, block=block, stream=stream)
 
     # -- pinned host memory ---------------------------------------------------------
     def host_alloc(self, size: int, device_index: int) -> tuple[int, int]:
