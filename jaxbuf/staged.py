@@ -57,6 +57,7 @@ import numpy as np
 from . import interop
 from ._lifetime import release_when_collected
 from ._owner import Lifetime
+from ._reservation import VirtualBuffer, committed_buffer
 from ._resolve import resolve
 from ._staging_host import (
     BACKENDS,
@@ -118,7 +119,12 @@ class _Target:
             # A consumer's kernel may still read it on any stream (the last array was just
             # dropped; torch's allocator does not wait either): finish before unmapping.
             self.driver.synchronize(self.device.index)
-        buffer.free()
+        # Never a framework call here: this may run in a DLPack deleter on a framework's
+        # thread. The owner's free() waited for the frameworks before an immediate release.
+        if isinstance(buffer, VirtualBuffer):
+            buffer.release()
+        else:
+            buffer._free(quiesce=False)  # a UvaBuffer this object alone owns
         self.buffer = None
 
     def __del__(self, _release: Any = release_when_collected) -> None:
@@ -245,16 +251,14 @@ class StagedWriteTensor:
             buffer.np[:] = 0  # pinned memory from the driver is not zeroed on CUDA
             ptr = buffer.device_ptr
         else:
-            from .extensible import ExtensibleTensor
-
-            buffer = ExtensibleTensor(nbytes, device=device, driver=driver)
+            buffer = committed_buffer(driver, nbytes, device.index, "StagedWriteTensor target")
             try:
-                buffer.resize_per_segment_(nbytes, zero_new=True)
+                driver.memset(buffer.base_ptr, 0, nbytes, device.index)
                 # The zeroing ran on the driver's stream; applies run on torch's. Finish it
                 # once here rather than ordering every apply after it.
                 driver.synchronize(device.index)
             except BaseException:
-                buffer.free()
+                buffer.release()
                 raise
             ptr = buffer.base_ptr
         self._allocation = _Target(buffer, device, driver)

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from jaxbuf.drivers import DriverError, get_vmm_driver
+from jaxbuf._reservation import VirtualBuffer
 from jaxbuf.extensible import ExtensibleTensor
 from jaxbuf.testing import FaultInjectingDriver
 from jaxbuf.uva import NonUvaBuffer, UvaBuffer, UvaBufferPool
@@ -134,7 +135,9 @@ def check_buffer(buf: ExtensibleTensor, driver: FaultInjectingDriver) -> None:
 def handles_match_chunks(driver: FaultInjectingDriver, *bufs: ExtensibleTensor) -> None:
     """Handles created - released == live chunks (plus handles whose release failed and
     that the next release_physical retries)."""
-    unreleased = sum(len(b._buffer._unreleased) for b in bufs if b._buffer is not None)
+    # A StagedWriteTensor's target is a bare VirtualBuffer; a tensor holds one in _buffer.
+    inners = [b if isinstance(b, VirtualBuffer) else b._buffer for b in bufs]
+    unreleased = sum(len(inner._unreleased) for inner in inners if inner is not None)
     assert driver.created - driver.released == len(driver.mapped) + unreleased
 
 
