@@ -49,3 +49,25 @@ def as_shape(shape: Any, name: str = "shape") -> tuple[int, ...]:
         if operator.index(dim) < 0:
             raise ValueError(f"{name} entries must be non-negative, got {shape!r}")
     return tuple(operator.index(dim) for dim in dims)
+
+
+#: Slots of a UVA pool or staging ring when ``max_concurrency`` is None: the step being read
+#: and the step being written. A constant documenting the constructor default, not a setting.
+DEFAULT_MAX_CONCURRENCY = 2
+#: The most slots a pool or writer may have. A slot is a step in flight (written by the host,
+#: or still read by the device); pipelines keep a few. The bound refuses a mistaken count
+#: (2**40) before a constructor spends minutes pinning memory for it.
+MAX_CONCURRENCY = 1024
+
+
+def as_max_concurrency(value: Any) -> int:
+    """``max_concurrency`` checked: None -> the default, else 1 to :data:`MAX_CONCURRENCY`."""
+    if value is None:
+        return DEFAULT_MAX_CONCURRENCY
+    count = as_count(value, "max_concurrency")
+    if count > MAX_CONCURRENCY:
+        raise ValueError(
+            f"max_concurrency must be at most {MAX_CONCURRENCY} (each slot is a step in flight "
+            f"and a separate pinned allocation), got {count}"
+        )
+    return count

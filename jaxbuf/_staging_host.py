@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import interop
-from ._checks import as_count
+from ._checks import DEFAULT_MAX_CONCURRENCY, as_count, as_max_concurrency
 from ._checks import as_int as as_index
 from .devices import Device
 from .dtypes import DType, canonical_dtype
@@ -44,7 +44,6 @@ SUPPORTED_DTYPES = ("int32", "int64", "float32", "float16", "bfloat16")
 #: numpy reference (CPU only, chosen explicitly).
 BACKENDS = ("triton", "numpy")
 
-DEFAULT_MAX_CONCURRENCY = 2
 GROUP_FIELDS = 3  # a row of the kernel's group table: out_ptr, row_stride, elem_size
 WRITE_FIELDS = 5  # a row of its write table: group, row, start, content_offset (bytes), length
 RECORD_BYTES = WRITE_FIELDS * 8
@@ -97,10 +96,7 @@ def check_dtype(dtype: Any) -> DType:
     return resolved
 
 
-def check_max_concurrency(max_concurrency: Any) -> int:
-    if max_concurrency is None:
-        return DEFAULT_MAX_CONCURRENCY
-    return as_count(max_concurrency, "max_concurrency")
+check_max_concurrency = as_max_concurrency
 
 
 def check_backend(backend: Any, device: Device) -> str:

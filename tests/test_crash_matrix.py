@@ -193,10 +193,6 @@ def needs(consumer: str, device: str) -> None:
         pytest.skip("numpy imports host memory only")
 
 
-def pending(owner: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=False, reason=f"ownership step for {owner} pending")
-
-
 consumers = pytest.mark.parametrize("consumer", ["numpy", "torch", "jax"])
 owners = pytest.mark.parametrize("owner", list(OWNERS))
 
@@ -551,7 +547,7 @@ HUGE_COUNT = {
     [
         "UvaBufferPool",
         "UvaBackedTensor",
-        pytest.param("StagedWriteTensor", marks=pending("StagedWriteTensor")),
+        "StagedWriteTensor",
     ],
 )
 def test_huge_counts_are_refused_before_allocating(device, kind):

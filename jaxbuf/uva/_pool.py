@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .. import interop
-from .._checks import as_count
+from .._checks import DEFAULT_MAX_CONCURRENCY, MAX_CONCURRENCY, as_count, as_max_concurrency
 from .._errors import Cleanup
 from .._lifetime import release_when_collected
 from .._resolve import resolve
@@ -31,14 +31,6 @@ from ._memory import _check_host_bytes, _quiesce, _refuse_copy
 from ._probe import uva_unavailable_reason
 
 _logger = logging.getLogger("jaxbuf.uva")
-
-#: Slots per pool when ``max_concurrency`` is None: the step being read and the step being
-#: written. A constant documenting the constructor default, not a setting.
-DEFAULT_MAX_CONCURRENCY = 2
-#: The most slots a pool may have. A slot is a step in flight (written by the host, or still
-#: read by the device); pipelines keep a few. The bound refuses a mistaken count (2**40)
-#: before the constructor spends minutes pinning memory for it.
-MAX_CONCURRENCY = 1024
 
 _GUARD_MODES = {False: None, True: "wait", "wait": "wait", "raise": "raise"}
 # How an input dtype is written into the pool's (the values of _write's cache).
@@ -65,18 +57,6 @@ def _pool_adapter(framework: Any) -> interop.FrameworkAdapter | None:
             f"arrays ({detail}), got {framework!r}"
         )
     return adapter
-
-
-def _check_max_concurrency(max_concurrency: Any) -> int:
-    if max_concurrency is None:
-        return DEFAULT_MAX_CONCURRENCY
-    count = as_count(max_concurrency, "max_concurrency")
-    if count > MAX_CONCURRENCY:
-        raise ValueError(
-            f"max_concurrency must be at most {MAX_CONCURRENCY} (each slot is a step in flight "
-            f"and a separate pinned allocation), got {count}"
-        )
-    return count
 
 
 def _finite_bounds(dtype: np.dtype) -> tuple[Any, Any] | None:
@@ -169,7 +149,7 @@ class UvaBufferPool:
         self._slots: list[Any] = []
         self._closed = False
         shape, dtype = _as_shape(size), canonical_dtype(dtype)
-        max_concurrency = _check_max_concurrency(max_concurrency)
+        max_concurrency = as_max_concurrency(max_concurrency)
         slot_bytes = math.prod(shape) * dtype.itemsize
         what = f"a UvaBufferPool of {max_concurrency} slots of size {shape} of {dtype}"
         _check_host_bytes(max_concurrency * slot_bytes, what)
