@@ -44,4 +44,5 @@ __all__ = [
     "canonical_dtype",
     "default_device",
     "granule_size",
+    "interop",
 ]

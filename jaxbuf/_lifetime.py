@@ -30,5 +30,8 @@ def release_when_collected(
     try:
         release()
     except Exception as error:  # noqa: BLE001 - no caller to raise to: reported, not hidden
-        _warn(f"jaxbuf: releasing {what} during garbage collection failed (it leaks): "
-              f"{error!r}", ResourceWarning, stacklevel=3)  # fmt: skip
+        _warn(
+            f"jaxbuf: releasing {what} during garbage collection failed (it leaks): {error!r}",
+            ResourceWarning,
+            stacklevel=3,
+        )

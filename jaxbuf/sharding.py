@@ -99,15 +99,26 @@ class _HostShardExport:
         self._view = view
         self._device_id = device_id
         self._payload = _dlpack.pack_payload(
-            view.ptr, K_DL_CPU, device_id, view.dtype.dlpack_code, view.dtype.itemsize * 8,
-            view.shape, versioned=False,
-        )  # fmt: skip
+            view.ptr,
+            K_DL_CPU,
+            device_id,
+            view.dtype.dlpack_code,
+            view.dtype.itemsize * 8,
+            view.shape,
+            versioned=False,
+        )
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (K_DL_CPU, self._device_id)
 
-    def __dlpack__(self, *, stream: Any = None, max_version: Any = None,
-                   dl_device: Any = None, copy: Any = None) -> Any:  # fmt: skip
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: Any = None,
+        dl_device: Any = None,
+        copy: Any = None,
+    ) -> Any:
         if copy:
             raise BufferError("jaxbuf views are zero-copy: copy=True is not supported")
         if stream is not None and stream != -1:

@@ -249,8 +249,10 @@ class FaultInjectingDriver(VmmDriver):
         self.live_events: dict[int, Any] = {}
 
     def __repr__(self) -> str:
-        return (f"FaultInjectingDriver({self.inner!r}, calls={self.call_count}, "
-                f"faults_injected={self.faults_injected})")  # fmt: skip
+        return (
+            f"FaultInjectingDriver({self.inner!r}, calls={self.call_count}, "
+            f"faults_injected={self.faults_injected})"
+        )
 
     # -- arming ------------------------------------------------------------------------------
     def fail_on(self, kind: str, nth: int = 1, error: Any = None) -> None:
@@ -302,8 +304,9 @@ class FaultInjectingDriver(VmmDriver):
                 self._faults.remove(fault)
                 error = fault.error
                 if error is None:
-                    error = DriverError(self._names[kind], "INJECTED_FAULT", kind=kind,
-                                        call_index=index, **details)  # fmt: skip
+                    error = DriverError(
+                        self._names[kind], "INJECTED_FAULT", kind=kind, call_index=index, **details
+                    )
                 elif callable(error) and not isinstance(error, BaseException):
                     error = error(kind)
                 self.faults_injected += 1
@@ -316,8 +319,10 @@ class FaultInjectingDriver(VmmDriver):
         """Every broken invariant, as sentences (empty when all hold)."""
         found = list(self.violations)
         if self.created - self.released != len(self.live_handles):
-            found.append(f"created ({self.created}) - released ({self.released}) != "
-                         f"{len(self.live_handles)} live handles")  # fmt: skip
+            found.append(
+                f"created ({self.created}) - released ({self.released}) != "
+                f"{len(self.live_handles)} live handles"
+            )
         chunks = sorted(self.mapped.items())
         for (ptr, (size, handle, accessible)), nxt in zip(chunks, chunks[1:] + [None]):
             if not accessible:
@@ -345,8 +350,10 @@ class FaultInjectingDriver(VmmDriver):
         if self.mapped:
             found.append(f"{len(self.mapped)} mapped chunk(s)")
         if self.reservations:
-            found.append(f"{len(self.reservations)} live reservation(s): "
-                         f"{[hex(p) for p in self.reservations]}")  # fmt: skip
+            found.append(
+                f"{len(self.reservations)} live reservation(s): "
+                f"{[hex(p) for p in self.reservations]}"
+            )
         if self.pinned:
             found.append(f"{len(self.pinned)} live pinned host allocation(s)")
         if found:
@@ -359,8 +366,9 @@ class FaultInjectingDriver(VmmDriver):
         return sum(s for p, (s, _, _) in self.mapped.items() if ptr <= p < ptr + size)
 
     def _in_reservation(self, ptr: int, size: int) -> bool:
-        return any(base <= ptr and ptr + size <= base + rsize
-                   for base, rsize in self.reservations.items())  # fmt: skip
+        return any(
+            base <= ptr and ptr + size <= base + rsize for base, rsize in self.reservations.items()
+        )
 
     # -- probing (uncounted) -----------------------------------------------------------------
     def unavailable_reason(self) -> str | None:

@@ -117,8 +117,17 @@ class BufferView:
     Thread-safety: a view may be exported from several threads at once.
     """
 
-    __slots__ = ("ptr", "nbytes", "dtype", "shape", "device", "owner", "dlpack_device_type",
-                 "_legacy_payload", "_versioned_payload")  # fmt: skip
+    __slots__ = (
+        "ptr",
+        "nbytes",
+        "dtype",
+        "shape",
+        "device",
+        "owner",
+        "dlpack_device_type",
+        "_legacy_payload",
+        "_versioned_payload",
+    )
 
     def __init__(
         self,
@@ -173,8 +182,9 @@ class BufferView:
         dtype = self.dtype if dtype is None else canonical_dtype(dtype)
         if shape is None and self.nbytes % dtype.itemsize:
             raise ValueError(f"{self.nbytes} bytes is not a whole number of {dtype} elements")
-        return BufferView(self.ptr, self.nbytes, dtype, shape, self.device, self.owner,
-                          self.dlpack_device_type)  # fmt: skip
+        return BufferView(
+            self.ptr, self.nbytes, dtype, shape, self.device, self.owner, self.dlpack_device_type
+        )
 
     # -- DLPack -----------------------------------------------------------------------
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -276,9 +286,14 @@ class BufferView:
             device_type = self.dlpack_device_type
         device_id = self.device.index if device_type != K_DL_CPU and self.device.is_cuda else 0
         return _dlpack.pack_payload(
-            self.ptr, device_type, device_id, self.dtype.dlpack_code, self.dtype.itemsize * 8,
-            self.shape, versioned=versioned,
-        )  # fmt: skip
+            self.ptr,
+            device_type,
+            device_id,
+            self.dtype.dlpack_code,
+            self.dtype.itemsize * 8,
+            self.shape,
+            versioned=versioned,
+        )
 
     # -- framework adapters -------------------------------------------------------------
     def to_numpy(self) -> np.ndarray:

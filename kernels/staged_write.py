@@ -59,8 +59,15 @@ def copy_elements(dst, src, length, BLOCK_SIZE: tl.constexpr):
 copy_elements = JITFunction(copy_elements)
 
 
-@triton.jit(do_not_specialize=["write_table_addr", "group_table_addr", "contents_addr",
-                               "num_writes", "segments_addr"])
+@triton.jit(
+    do_not_specialize=[
+        "write_table_addr",
+        "group_table_addr",
+        "contents_addr",
+        "num_writes",
+        "segments_addr",
+    ]
+)
 def _apply_staged_writes_kernel(
     write_table_addr,  # int64 address of the int64 [W, 5] write table
     group_table_addr,  # int64 address of the int64 [G, 3] group table
@@ -150,8 +157,10 @@ def _kernel(interpret: bool):
 
     if isinstance(_apply_staged_writes_kernel, InterpretedFunction):
         if not interpret:
-            raise RuntimeError("jaxbuf.kernels.staged_write was imported with TRITON_INTERPRET=1; "
-                               "cannot launch it compiled in this process")
+            raise RuntimeError(
+                "jaxbuf.kernels.staged_write was imported with TRITON_INTERPRET=1; "
+                "cannot launch it compiled in this process"
+            )
     elif not interpret:
         return _apply_staged_writes_kernel
     if _interpreted_kernel is None:
@@ -181,10 +190,18 @@ def interpreted(kernel: Any) -> Any:
     return InterpretedFunction(rebound)
 
 
-def apply_staged_writes(write_table: Any, group_table: Any, contents: Any,
-                        num_writes: int | None = None, *, serial: bool = False,
-                        segments: Any = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                        interpret: bool | None = None, stream: Any = None) -> None:
+def apply_staged_writes(
+    write_table: Any,
+    group_table: Any,
+    contents: Any,
+    num_writes: int | None = None,
+    *,
+    serial: bool = False,
+    segments: Any = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    interpret: bool | None = None,
+    stream: Any = None,
+) -> None:
     """Apply ``num_writes`` staged writes with one kernel launch.
 
     ``write_table``, ``group_table`` and ``contents`` are each an int address, a C-contiguous
@@ -194,27 +211,32 @@ def apply_staged_writes(write_table: Any, group_table: Any, contents: Any,
     omitted only when ``write_table`` is a numpy array. ``serial=True`` (needed when writes
     overlap; later writes win) runs one program per segment of ``segments`` (int64 ``[S + 1]``
     bounds into the table, device-visible like the tables; see
-    :func:`jaxbuf.kernels.row_segments`), each
-    applying its writes in table order; without ``segments``, one program applies every write.
-    Otherwise one program per write. ``interpret`` defaults to the ``TRITON_INTERPRET`` environment variable. ``stream``
-    (a ``torch.cuda.Stream``) defaults to torch's current stream; the launch is asynchronous
+    :func:`jaxbuf.kernels.row_segments`), each applying its writes in table order; without
+    ``segments``, one program applies every write. Otherwise one program per write.
+    ``interpret`` defaults to the ``TRITON_INTERPRET`` environment variable. ``stream`` (a
+    ``torch.cuda.Stream``) defaults to torch's current stream; the launch is asynchronous
     there.
     """
     if isinstance(write_table, np.ndarray):
         if write_table.dtype != np.int64 or write_table.ndim != 2 or write_table.shape[1] != 5:
-            raise ValueError(f"write_table must be int64 [W, 5], got {write_table.dtype} "
-                             f"{list(write_table.shape)}")
+            raise ValueError(
+                f"write_table must be int64 [W, 5], got {write_table.dtype} "
+                f"{list(write_table.shape)}"
+            )
         if num_writes is None:
             num_writes = write_table.shape[0]
         elif num_writes > write_table.shape[0]:
-            raise ValueError(f"num_writes {num_writes} exceeds the write table's "
-                             f"{write_table.shape[0]} rows")
+            raise ValueError(
+                f"num_writes {num_writes} exceeds the write table's {write_table.shape[0]} rows"
+            )
     elif num_writes is None:
         raise ValueError("num_writes is required when write_table is not a numpy array")
     if isinstance(group_table, np.ndarray) and (
-            group_table.dtype != np.int64 or group_table.ndim != 2 or group_table.shape[1] != 3):
-        raise ValueError(f"group_table must be int64 [G, 3], got {group_table.dtype} "
-                         f"{list(group_table.shape)}")
+        group_table.dtype != np.int64 or group_table.ndim != 2 or group_table.shape[1] != 3
+    ):
+        raise ValueError(
+            f"group_table must be int64 [G, 3], got {group_table.dtype} {list(group_table.shape)}"
+        )
     if num_writes < 0:
         raise ValueError(f"num_writes must be >= 0, got {num_writes}")
     if block_size <= 0 or block_size & (block_size - 1):
@@ -223,8 +245,9 @@ def apply_staged_writes(write_table: Any, group_table: Any, contents: Any,
     group_table_addr = address_of(group_table)
     contents_addr = address_of(contents)
     if contents_addr % CONTENT_ALIGNMENT:
-        raise ValueError(f"contents address {contents_addr:#x} is not "
-                         f"{CONTENT_ALIGNMENT}-byte aligned")
+        raise ValueError(
+            f"contents address {contents_addr:#x} is not {CONTENT_ALIGNMENT}-byte aligned"
+        )
     if num_writes == 0:
         return
     if interpret is None:
@@ -289,11 +312,22 @@ class CompiledLauncher:
     # first real addresses are.
     _WARMUP_ADDRESS = 1 << 40
     #: The kernel's runtime arguments, in the order launches pass them.
-    RUNTIME_ARGUMENTS = ("write_table_addr", "group_table_addr", "contents_addr", "num_writes",
-                         "segments_addr")
+    RUNTIME_ARGUMENTS = (
+        "write_table_addr",
+        "group_table_addr",
+        "contents_addr",
+        "num_writes",
+        "segments_addr",
+    )
 
-    def __init__(self, device_index: int, block_size: int = DEFAULT_BLOCK_SIZE, *,
-                 driver: Any = None, direct: bool = True) -> None:
+    def __init__(
+        self,
+        device_index: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        driver: Any = None,
+        direct: bool = True,
+    ) -> None:
         self.device_index = device_index
         self.block_size = block_size
         if driver is None:
@@ -321,8 +355,16 @@ class CompiledLauncher:
         # One compile at a time: writers driven from several threads compile their first
         # launch together, and Triton's per-kernel caches are not meant for that.
         with _COMPILE_LOCK, torch.cuda.device(self.device_index):
-            compiled = kernel.warmup(address, address, address, 1 << 20, address,
-                                     BLOCK_SIZE=self.block_size, SERIAL=serial, grid=(1,))
+            compiled = kernel.warmup(
+                address,
+                address,
+                address,
+                1 << 20,
+                address,
+                BLOCK_SIZE=self.block_size,
+                SERIAL=serial,
+                grid=(1,),
+            )
             if hasattr(compiled, "result"):  # an asynchronous compile
                 compiled = compiled.result()
             compiled._init_handles()
@@ -356,8 +398,24 @@ class CompiledLauncher:
         def launch(grid, stream, wt, gt, contents, num_writes, segments):
             # Triton's launcher takes every kernel argument, constexprs included, as
             # JITFunction.run passes them.
-            run(grid, 1, 1, stream, function, metadata, None, None, None, wt, gt, contents,
-                num_writes, segments, block_size, serial)
+            run(
+                grid,
+                1,
+                1,
+                stream,
+                function,
+                metadata,
+                None,
+                None,
+                None,
+                wt,
+                gt,
+                contents,
+                num_writes,
+                segments,
+                block_size,
+                serial,
+            )
 
         return launch
 
@@ -368,22 +426,47 @@ class CompiledLauncher:
             import torch
 
             bounds = IntsAt(segments, grid + 1) if serial else None
-            apply_staged_writes(wt, gt, contents, num_writes, serial=serial, segments=bounds,
-                                block_size=block_size, interpret=False,
-                                stream=torch.cuda.ExternalStream(stream))
+            apply_staged_writes(
+                wt,
+                gt,
+                contents,
+                num_writes,
+                serial=serial,
+                segments=bounds,
+                block_size=block_size,
+                interpret=False,
+                stream=torch.cuda.ExternalStream(stream),
+            )
 
         return launch
 
-    def __call__(self, wt, gt, contents, num_writes, serial, raw_stream, *_host_tables,
-                 segments: int = 0, num_segments: int = 1) -> None:
+    def __call__(
+        self,
+        wt,
+        gt,
+        contents,
+        num_writes,
+        serial,
+        raw_stream,
+        *_host_tables,
+        segments: int = 0,
+        num_segments: int = 1,
+    ) -> None:
         if num_writes >= 1 << 31:
             raise ValueError(f"{num_writes} writes exceed one launch's int32 count")
         launch = self._launches[1 if serial else 0]
         if launch is None:
             launch = self._prepare(serial)
         # One program per write; per row segment when serial. A grid of 0 launches nothing.
-        launch(num_segments if serial else num_writes, raw_stream, wt, gt, contents, num_writes,
-               segments)
+        launch(
+            num_segments if serial else num_writes,
+            raw_stream,
+            wt,
+            gt,
+            contents,
+            num_writes,
+            segments,
+        )
 
 
 def _triton_version() -> tuple[int, int]:
@@ -402,8 +485,10 @@ def _direct_unavailable_reason(version: tuple[int, int], driver: Any, direct: bo
     if setting in ("0", "false", "no", "off"):
         return f"direct launch disabled by JAXBUF_DIRECT_LAUNCH={setting}"
     if version < (3, 3):
-        return (f"Triton {triton.__version__} predates 3.3; the parameters of its compiled "
-                "kernels are not known here")
+        return (
+            f"Triton {triton.__version__} predates 3.3; the parameters of its compiled "
+            "kernels are not known here"
+        )
     from jaxbuf.drivers.base import VmmDriver
 
     launch_kernel = getattr(type(driver), "launch_kernel", None)

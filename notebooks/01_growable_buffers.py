@@ -124,9 +124,7 @@ print("JAX reads a[0, 0] =", float(a[0, 0]))
 # Neighbouring segments that share a granule map it only once.
 
 # %%
-kv = jaxbuf.ExtensibleTensor(
-    24 * MiB, device=device, segment_capacities=[8 * MiB, 16 * MiB]
-)
+kv = jaxbuf.ExtensibleTensor(24 * MiB, device=device, segment_capacities=[8 * MiB, 16 * MiB])
 kv.resize_segments_([1 * MiB, 3 * MiB])
 print("offsets:", [o // MiB for o in kv.segment_offsets], "MiB")
 print("committed:", kv.committed_sizes)
@@ -160,7 +158,9 @@ ptr = kv.base_ptr
 kv.release_physical()
 print("after release: committed", kv.committed_sizes, "| physical", kv.physical_bytes)
 kv.resize_segments_([1 * MiB, 1 * MiB], zero_new=True)
-print("after recommit: committed", kv.committed_sizes, "| physical", kv.physical_bytes // MiB, "MiB")
+print(
+    "after recommit: committed", kv.committed_sizes, "| physical", kv.physical_bytes // MiB, "MiB"
+)
 print("same base_ptr:", kv.base_ptr == ptr)
 print("fresh memory is zero:", int(kv.segment_view(0).to_torch().sum()) == 0)
 
@@ -179,8 +179,10 @@ buf.resize_per_segment_(9 * MiB, zero_new=True)
 index = before // 4 + 10  # a float32 element in the newly committed region
 whole[index] = 42.0
 print("grew", before, "->", buf.num_bytes, "bytes; base_ptr unchanged:", buf.base_ptr == base)
-print("a fresh view reads the old view's write:",
-      float(buf.segment_view(0).to_torch(dtype=torch.float32)[index]))
+print(
+    "a fresh view reads the old view's write:",
+    float(buf.segment_view(0).to_torch(dtype=torch.float32)[index]),
+)
 
 # %% [markdown]
 # Only the committed bytes may be touched through `full_view()`: beyond them the address

@@ -59,10 +59,16 @@ buf.np[:] = np.arange(12, dtype=np.float32).reshape(4, 3)
 
 print("host ptr", hex(buf.host_ptr), "| device ptr", hex(buf.device_ptr))
 print("torch CPU:   ", buf.cpu.device, buf.cpu.data_ptr() == buf.host_ptr)
-print("torch device:", buf.torch_device_tensor.device,
-      buf.torch_device_tensor.data_ptr() == buf.device_ptr)
-print("JAX device:  ", buf.jax_device_array.devices(),
-      buf.jax_device_array.unsafe_buffer_pointer() == buf.device_ptr)
+print(
+    "torch device:",
+    buf.torch_device_tensor.device,
+    buf.torch_device_tensor.data_ptr() == buf.device_ptr,
+)
+print(
+    "JAX device:  ",
+    buf.jax_device_array.devices(),
+    buf.jax_device_array.unsafe_buffer_pointer() == buf.device_ptr,
+)
 
 # %% [markdown]
 # A host write is seen by device kernels launched afterwards, with no copy and no sync. The
@@ -95,8 +101,10 @@ if device.is_cuda:
     on_device = jax.device_put(host_array, host_array.sharding.with_memory_kind("device"))
     print("copied to:  ", on_device.sharding.memory_kind, "| sum =", float(on_device.sum()))
 else:
-    print("CPU: no memory kinds; jax_pinned_host_array is a plain CPU array:",
-          buf.jax_pinned_host_array.devices())
+    print(
+        "CPU: no memory kinds; jax_pinned_host_array is a plain CPU array:",
+        buf.jax_pinned_host_array.devices(),
+    )
 
 # %%
 buf.free()
@@ -116,12 +124,18 @@ print(buf)
 
 # %%
 pool = UvaBufferPool(4, "int32", max_concurrency=2, device=device, framework="jax")
-inputs = [[1, 2], np.arange(3, dtype=np.int32), torch.full((7,), 6, dtype=torch.int32),
-          jnp.array([8, 9], dtype=jnp.int32)]
+inputs = [
+    [1, 2],
+    np.arange(3, dtype=np.int32),
+    torch.full((7,), 6, dtype=torch.int32),
+    jnp.array([8, 9], dtype=jnp.int32),
+]
 for step, x in enumerate(inputs):
     rows = pool.copy_to_uva(x)
-    print(f"step {step}: slot {pool.current_slot} -> {type(rows).__name__} {rows.tolist()} "
-          f"| slot rows: {[len(slot) for slot in pool.slots]}")
+    print(
+        f"step {step}: slot {pool.current_slot} -> {type(rows).__name__} {rows.tolist()} "
+        f"| slot rows: {[len(slot) for slot in pool.slots]}"
+    )
 
 # %% [markdown]
 # `copy_to_gpu` returns a device *copy* instead (or copies into `out`), for data that must
@@ -160,8 +174,9 @@ with UvaBufferPool((4, 2), "int32", device=device) as checked:
 # continues, so a guarded pool never waits and never raises. The calls are the same:
 
 # %%
-guarded = UvaBufferPool(4, "int32", max_concurrency=2, device=device, framework="torch",
-                        guarded="raise")
+guarded = UvaBufferPool(
+    4, "int32", max_concurrency=2, device=device, framework="torch", guarded="raise"
+)
 for step in range(4):
     rows = guarded.copy_to_uva([step] * 3)
     total = rows.sum()  # the step's reader
@@ -180,8 +195,9 @@ guarded.close()
 
 # %%
 if device.is_cuda:
-    catcher = UvaBufferPool(4, "int32", max_concurrency=2, device=device, framework="torch",
-                            guarded="raise")
+    catcher = UvaBufferPool(
+        4, "int32", max_concurrency=2, device=device, framework="torch", guarded="raise"
+    )
     side = torch.cuda.Stream()
     first = np.array([1, 2, 3, 4], np.int32)
     with torch.cuda.stream(side):

@@ -52,7 +52,6 @@ from jaxbuf.jax_ops import apply_staged_writes, pack_writes
 from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor
 
 
-
 def sync():
     """Finish the applies (on torch's stream) before JAX reads the targets."""
     if device.is_cuda:
@@ -75,8 +74,12 @@ table.stage_write(1, 4, np.array([7, 8, 9, 10], dtype=np.int32))
 table.stage_write(2, 2, torch.tensor([5, 6], dtype=torch.int32))
 table.stage_write_elem(3, 42)
 print(table)
-print("staged:", table.num_staged_writes, "| target still zero:",
-      int(table.to_torch().abs().sum()) == 0)
+print(
+    "staged:",
+    table.num_staged_writes,
+    "| target still zero:",
+    int(table.to_torch().abs().sum()) == 0,
+)
 
 # %% [markdown]
 # ### Rejected writes stage nothing
@@ -88,11 +91,11 @@ print("staged:", table.num_staged_writes, "| target still zero:",
 
 # %%
 bad_writes = [
-    (4, 0, [1]),                # row out of range
-    (0, 6, [1, 2, 3]),          # runs past the end of the row
-    (0, 0, [2**40]),            # does not fit in int32
-    (0, 0, [1.5]),              # would be truncated
-    (0, 0, ["a"]),              # not a number
+    (4, 0, [1]),  # row out of range
+    (0, 6, [1, 2, 3]),  # runs past the end of the row
+    (0, 0, [2**40]),  # does not fit in int32
+    (0, 0, [1.5]),  # would be truncated
+    (0, 0, ["a"]),  # not a number
 ]
 for row, start, values in bad_writes:
     try:
@@ -129,7 +132,7 @@ print("JAX row sums:", as_jax.sum(axis=1))
 # %%
 table.stage_write(0, 0, [100, 100, 100, 100])
 table.stage_write(0, 2, [200, 200])  # overlaps the previous write: this one wins
-table.stage_write(0, 3, [300])       # and this one wins over both
+table.stage_write(0, 3, [300])  # and this one wins over both
 table.apply_write()
 print("row 0:", table.to_torch()[0].cpu().tolist())
 
@@ -153,7 +156,10 @@ writer = FusedStagedWriter(device, max_writes=64)
 
 launches = []
 launch = writer._launch
-writer._launch = lambda *args, **kwargs: (launches.append(args[3]), launch(*args, **kwargs))  # args[3]: write count
+writer._launch = lambda *args, **kwargs: (
+    launches.append(args[3]),
+    launch(*args, **kwargs),
+)  # args[3]: write count
 
 for seq in range(num_seqs):
     block_table.stage_write(seq, 0, list(range(seq * 10, seq * 10 + seq + 1)))
@@ -220,13 +226,19 @@ for step in range(6):
     starts = rng.integers(0, max_blocks - 2, n)
     values = [rng.integers(0, 1000, 2) for _ in range(n)]
     for r, s, v in zip(rows, starts, values):
-        expected[r, s:s + 2] = v  # the host model, later wins
+        expected[r, s : s + 2] = v  # the host model, later wins
     packed = pack_writes(rows, starts, values, "int32", shape=(num_seqs, max_blocks))
     array = update(array, packed)
-    print(f"step {step}: {n} writes -> bucket {packed.rows.shape[0]} | "
-          f"same pointer: {array.unsafe_buffer_pointer() == pointer}")
-print("traced", len(traces), "time(s) | matches the host model:",
-      bool((np.asarray(array) == expected).all()))
+    print(
+        f"step {step}: {n} writes -> bucket {packed.rows.shape[0]} | "
+        f"same pointer: {array.unsafe_buffer_pointer() == pointer}"
+    )
+print(
+    "traced",
+    len(traces),
+    "time(s) | matches the host model:",
+    bool((np.asarray(array) == expected).all()),
+)
 
 # %% [markdown]
 # `pack_writes` checks bounds against `shape` (when given) and values against the dtype,

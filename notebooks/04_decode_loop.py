@@ -82,8 +82,10 @@ page_bytes = granule
 DIM = page_bytes // (BLOCK * 4)  # float32 elements per token vector
 max_pages = num_seqs * max_blocks
 max_tokens = max_blocks * BLOCK
-print(f"{BLOCK} tokens x {DIM} float32 per page = {page_bytes // MiB} MiB; "
-      f"up to {max_pages} pages per segment")
+print(
+    f"{BLOCK} tokens x {DIM} float32 per page = {page_bytes // MiB} MiB; "
+    f"up to {max_pages} pages per segment"
+)
 
 # %% [markdown]
 # ## The cache, the block table, the metadata pool
@@ -126,10 +128,16 @@ def cache_views():
     """(K, V) as torch and JAX arrays over the committed rows, zero-copy."""
     rows = num_pages * BLOCK
     k, v = (cache.segment_view(i) for i in (0, 1))
-    return ((k.to_torch(dtype=torch.float32, shape=(rows, DIM)),
-             v.to_torch(dtype=torch.float32, shape=(rows, DIM))),
-            (k.to_jax(dtype=jnp.float32, shape=(rows, DIM)),
-             v.to_jax(dtype=jnp.float32, shape=(rows, DIM))))
+    return (
+        (
+            k.to_torch(dtype=torch.float32, shape=(rows, DIM)),
+            v.to_torch(dtype=torch.float32, shape=(rows, DIM)),
+        ),
+        (
+            k.to_jax(dtype=jnp.float32, shape=(rows, DIM)),
+            v.to_jax(dtype=jnp.float32, shape=(rows, DIM)),
+        ),
+    )
 
 
 def slot_of(seq, pos):
@@ -182,6 +190,7 @@ def attend(k_cache, v_cache, block_table, meta):
 # import instead, so the cache would not change. Small tables updated inside `jit` use
 # `jaxbuf.jax_ops`, see notebook 3.)
 
+
 # %%
 def write_kv(k_torch, v_torch, seqs, positions, slots):
     k_new, v_new = make_kv(jnp.asarray(seqs, jnp.int32), jnp.asarray(positions, jnp.int32))
@@ -198,19 +207,23 @@ def write_kv(k_torch, v_torch, seqs, positions, slots):
 # block table (a torch tensor over the `StagedWriteTensor`) and compares them with what
 # `make_kv` says they must be, then recomputes the attention and compares with JAX's output.
 
+
 # %%
 def torch_check(k_torch, v_torch, lengths, jax_out):
     t = torch.arange(max_tokens, device=torch_device)
     worst_row, worst_out = 0.0, 0.0
     for s in range(num_seqs):
         n = int(lengths[s])
-        rows = (bt_torch[s, t[:n] // BLOCK].long() * BLOCK + t[:n] % BLOCK)
+        # ruff sees the last cell's `del bt_torch`, not the order in which cells run.
+        rows = bt_torch[s, t[:n] // BLOCK].long() * BLOCK + t[:n] % BLOCK  # noqa: F821
         k_rows, v_rows = k_torch[rows], v_torch[rows]
         k_want, _ = make_kv(jnp.full((n,), s, jnp.int32), jnp.arange(n, dtype=jnp.int32))
-        worst_row = max(worst_row, float((k_rows.cpu() - torch.from_dlpack(k_want).cpu())
-                                         .abs().max()))
-        q = torch.cos(torch.tensor(float(n), device=torch_device)
-                      * torch.from_dlpack(freqs).to(torch_device))
+        worst_row = max(
+            worst_row, float((k_rows.cpu() - torch.from_dlpack(k_want).cpu()).abs().max())
+        )
+        q = torch.cos(
+            torch.tensor(float(n), device=torch_device) * torch.from_dlpack(freqs).to(torch_device)
+        )
         out = torch.softmax(k_rows @ q / DIM**0.5, dim=0) @ v_rows
         jax_row = torch.from_dlpack(np.asarray(jax_out[s]))
         worst_out = max(worst_out, float((out.cpu() - jax_row).abs().max()))
@@ -277,8 +290,10 @@ for step in range(steps):
     committed_mib.append(cache.physical_bytes / MiB)
     grew.append(new_pages)
     if new_pages or step in (0, steps - 1):
-        print(f"step {step:2d}: lengths {lengths.tolist()} | +{new_pages} page(s) -> "
-              f"{num_pages} pages, {committed_mib[-1]:.0f} MiB | {step_ms[-1]:.1f} ms")
+        print(
+            f"step {step:2d}: lengths {lengths.tolist()} | +{new_pages} page(s) -> "
+            f"{num_pages} pages, {committed_mib[-1]:.0f} MiB | {step_ms[-1]:.1f} ms"
+        )
 
 # %% [markdown]
 # ## Check from torch
@@ -311,8 +326,10 @@ fig.tight_layout()
 figure_path = Path(tempfile.mkdtemp()) / "decode_loop.png"
 fig.savefig(figure_path, dpi=72)
 print("figure saved to", figure_path)
-print(f"median step {np.median(step_ms):.1f} ms | committed {committed_mib[0]:.0f} -> "
-      f"{committed_mib[-1]:.0f} MiB of {cache.capacity_bytes // MiB} MiB reserved")
+print(
+    f"median step {np.median(step_ms):.1f} ms | committed {committed_mib[0]:.0f} -> "
+    f"{committed_mib[-1]:.0f} MiB of {cache.capacity_bytes // MiB} MiB reserved"
+)
 plt.show()
 
 # %% [markdown]

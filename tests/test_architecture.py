@@ -152,8 +152,13 @@ def _library_proper() -> list[str]:
 
 # -- (a) no framework imports outside the adapters and the launchers ---------------------------
 def test_the_module_walk_sees_the_layout():
-    for name in ("jaxbuf.views", "jaxbuf.interop.torch", "jaxbuf.drivers.cuda",
-                 "jaxbuf.kernels.staged_write", "jaxbuf.kernels.jax_staged"):  # fmt: skip
+    for name in (
+        "jaxbuf.views",
+        "jaxbuf.interop.torch",
+        "jaxbuf.drivers.cuda",
+        "jaxbuf.kernels.staged_write",
+        "jaxbuf.kernels.jax_staged",
+    ):
         assert name in MODULES, sorted(MODULES)
     assert "jaxbuf.uva" in _library_proper()
     assert "jaxbuf.interop.jax" not in _library_proper()
@@ -230,8 +235,16 @@ def test_devices_do_not_import_drivers():
 def test_drivers_reach_only_leaves(name):
     # Drivers are the bottom layer: nothing they import (transitively) may be devices, views,
     # the adapters or any buffer module; only leaf helpers.
-    forbidden = ("jaxbuf.devices", "jaxbuf.views", "jaxbuf.interop", "jaxbuf.dtypes",
-                 "jaxbuf.extensible", "jaxbuf.uva", "jaxbuf.staged", "jaxbuf.sharing")  # fmt: skip
+    forbidden = (
+        "jaxbuf.devices",
+        "jaxbuf.views",
+        "jaxbuf.interop",
+        "jaxbuf.dtypes",
+        "jaxbuf.extensible",
+        "jaxbuf.uva",
+        "jaxbuf.staged",
+        "jaxbuf.sharing",
+    )
     reached = sorted(m for m in _reachable(name) if _under(m, forbidden))
     assert not reached, f"{name} reaches {reached}"
 

@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 import pytest
-
 from conftest import TORCH_REASON
+
 from jaxbuf.bench import Row, load_suites
 from jaxbuf.devices import as_device
 
@@ -45,8 +45,11 @@ def test_copy_to_uva_rows_on_cpu():
     rows = run_suite("uva.copy_to_uva")
     for row in rows:
         check_row(row)
-    expected_baselines = {"seed-style pool (pinned torch, sliced view)",
-                          "np.copyto (preallocated)", "torch.from_numpy(x).clone()"}  # fmt: skip
+    expected_baselines = {
+        "seed-style pool (pinned torch, sliced view)",
+        "np.copyto (preallocated)",
+        "torch.from_numpy(x).clone()",
+    }
     for size in ("4 KiB", "256 KiB"):
         for framework in ("torch", "view"):
             name = f"copy_to_uva {size} (jaxbuf, framework={framework!r})"
@@ -79,9 +82,9 @@ def test_read_rows_on_cpu():
 
 @needs_torch
 def test_seed_style_pool_round_robin_and_growth():
-    from jaxbuf.bench.uva import _SeedStyleUvaPool
-
     import torch
+
+    from jaxbuf.bench.uva import _SeedStyleUvaPool
 
     pool = _SeedStyleUvaPool(4, torch.int32, as_device("cpu"))
     try:

@@ -27,8 +27,19 @@ class CountingDriver(VmmDriver):
     """Wraps a real driver; ``fail_at = k`` makes the k-th counted call (any kind) raise a
     ``DriverError`` before reaching the real driver (a failed call changes nothing)."""
 
-    COUNTED = {"reserve", "free_reserved", "create", "release", "map", "unmap", "set_access",
-               "move_mapping", "copy", "memset", "synchronize"}  # fmt: skip
+    COUNTED = {
+        "reserve",
+        "free_reserved",
+        "create",
+        "release",
+        "map",
+        "unmap",
+        "set_access",
+        "move_mapping",
+        "copy",
+        "memset",
+        "synchronize",
+    }
 
     def __init__(self, inner: VmmDriver) -> None:
         self.inner = inner
@@ -293,8 +304,18 @@ def test_every_single_fault_leaves_the_tensor_consistent(device):
         assert not driver.reservations, (k, outcome)
         assert not driver.mapped, (k, outcome)
     # Every kind of call of the sequence was failed at least once.
-    assert {"reserve", "create", "map", "set_access", "copy", "move_mapping", "unmap",
-            "release", "free_reserved", "synchronize"} <= set(outcomes.values())  # fmt: skip
+    assert {
+        "reserve",
+        "create",
+        "map",
+        "set_access",
+        "copy",
+        "move_mapping",
+        "unmap",
+        "release",
+        "free_reserved",
+        "synchronize",
+    } <= set(outcomes.values())
 
 
 # -- the driver primitive ------------------------------------------------------------------------

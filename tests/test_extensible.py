@@ -369,12 +369,18 @@ def test_zero_sized_reservation(device, tracked):
         ({"max_num_bytes": 0, "segment_capacities": []}, ValueError, "non-empty"),
         ({"max_num_bytes": 100, "segment_capacities": [50.0, 50]}, TypeError, "50.0"),
         ({"max_num_bytes": 100, "segment_capacities": "ab"}, TypeError, "'ab'"),
-        ({"max_num_bytes": 100, "segment_capacities": [50, 50], "num_segments": 3},
-         ValueError, "num_segments \\(3\\)"),  # fmt: skip
+        (
+            {"max_num_bytes": 100, "segment_capacities": [50, 50], "num_segments": 3},
+            ValueError,
+            "num_segments \\(3\\)",
+        ),
         ({"max_num_bytes": 2**63 - 1}, ValueError, "below 2\\*\\*63 - 2 MiB .*9223372036854775807"),
         ({"max_num_bytes": 2**63 - 2 * MiB}, ValueError, str(2**63 - 2 * MiB)),
-        ({"max_num_bytes": 2**63 - 2 * MiB - 1, "segment_capacities": [1, 2**63 - 2 * MiB - 2]},
-         ValueError, "each starting at a multiple of 256"),  # the alignment gap overflows
+        (
+            {"max_num_bytes": 2**63 - 2 * MiB - 1, "segment_capacities": [1, 2**63 - 2 * MiB - 2]},
+            ValueError,
+            "each starting at a multiple of 256",
+        ),  # the alignment gap overflows
         ({"max_num_bytes": 100, "device": "tpu"}, ValueError, "tpu"),
         ({"max_num_bytes": 100, "device": "cpu:1"}, ValueError, "cpu"),
     ],
@@ -632,13 +638,20 @@ def programs(draw):
     for _ in range(draw(st.integers(1, 12))):
         kind = draw(st.sampled_from(["grow", "grow", "grow", "write", "write", "release", "free"]))
         if kind == "grow":
-            fractions = draw(st.lists(st.floats(0, 1), min_size=len(capacities),
-                                      max_size=len(capacities)))  # fmt: skip
+            fractions = draw(
+                st.lists(st.floats(0, 1), min_size=len(capacities), max_size=len(capacities))
+            )
             steps.append(("grow", fractions, draw(st.booleans())))
         elif kind == "write":
-            steps.append(("write", draw(st.integers(0, len(capacities) - 1)),
-                          draw(st.floats(0, 1)), draw(st.floats(0, 1)),
-                          draw(st.integers(1, 255))))  # fmt: skip
+            steps.append(
+                (
+                    "write",
+                    draw(st.integers(0, len(capacities) - 1)),
+                    draw(st.floats(0, 1)),
+                    draw(st.floats(0, 1)),
+                    draw(st.integers(1, 255)),
+                )
+            )
         else:
             steps.append((kind,))
     return capacities, steps
@@ -659,8 +672,9 @@ def _expected_physical_bytes(buf: ExtensibleTensor) -> int:
 def test_random_operations_match_a_model(device, program):
     capacities, steps = program
     driver = TrackingDriver(get_vmm_driver(device))
-    buf = ExtensibleTensor(sum(capacities), device=device, segment_capacities=capacities,
-                           driver=driver)  # fmt: skip
+    buf = ExtensibleTensor(
+        sum(capacities), device=device, segment_capacities=capacities, driver=driver
+    )
     model = [np.zeros(c, np.uint8) for c in capacities]
     known = [np.zeros(c, bool) for c in capacities]
     sizes = [0] * len(capacities)

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jaxbuf.drivers import DriverError, get_vmm_driver
 from jaxbuf._reservation import VirtualBuffer
+from jaxbuf.drivers import DriverError, get_vmm_driver
 from jaxbuf.extensible import ExtensibleTensor
 from jaxbuf.testing import FaultInjectingDriver
 from jaxbuf.uva import NonUvaBuffer, UvaBuffer, UvaBufferPool
@@ -44,8 +44,10 @@ def _report_faults():
     before = FaultInjectingDriver.total_faults_injected
     yield
     injected = FaultInjectingDriver.total_faults_injected - before
-    print(f"\n[test_faults] {SWEEP_STATS['operations']} operations swept over "
-          f"{SWEEP_STATS['positions']} call positions; {injected} faults injected")
+    print(
+        f"\n[test_faults] {SWEEP_STATS['operations']} operations swept over "
+        f"{SWEEP_STATS['positions']} call positions; {injected} faults injected"
+    )
 
 
 def new_driver(device: str, simulate_events: bool = True) -> FaultInjectingDriver:
@@ -84,8 +86,9 @@ class BufModel:
 
     def __init__(self, driver: FaultInjectingDriver, device: str, capacities: list[int]):
         self.driver = driver
-        self.buf = ExtensibleTensor(sum(capacities), device=device,
-                                    segment_capacities=capacities, driver=driver)  # fmt: skip
+        self.buf = ExtensibleTensor(
+            sum(capacities), device=device, segment_capacities=capacities, driver=driver
+        )
         self.model = [np.zeros(c, np.uint8) for c in capacities]
         self.known = [np.zeros(c, bool) for c in capacities]
 
@@ -142,11 +145,17 @@ def handles_match_chunks(driver: FaultInjectingDriver, *bufs: ExtensibleTensor) 
 
 
 # -- the sweep -------------------------------------------------------------------------------
-def sweep(device: str, setup: Callable[[FaultInjectingDriver], Any],
-          operation: Callable[[Any], None], after_fault: Callable[[Any, FaultInjectingDriver], None],
-          after_retry: Callable[[Any, FaultInjectingDriver], None],
-          cleanup: Callable[[Any], None], *, gc_faults: tuple[str, ...] = (),
-          simulate_events: bool = True) -> int:  # fmt: skip
+def sweep(
+    device: str,
+    setup: Callable[[FaultInjectingDriver], Any],
+    operation: Callable[[Any], None],
+    after_fault: Callable[[Any, FaultInjectingDriver], None],
+    after_retry: Callable[[Any, FaultInjectingDriver], None],
+    cleanup: Callable[[Any], None],
+    *,
+    gc_faults: tuple[str, ...] = (),
+    simulate_events: bool = True,
+) -> int:
     """Fail each driver call of ``operation`` in turn; returns the number of positions.
 
     ``gc_faults``: kinds of call that may fail inside garbage collection (no exception reaches
@@ -198,8 +207,11 @@ def leak_gc_fault(driver: FaultInjectingDriver) -> None:
     """Free (through the real driver) the allocation a GC-path fault leaked, so
     ``assert_clean`` checks everything else."""
     for ptr in list(driver.pinned):
-        alive = any(ptr == getattr(o, "host_ptr", None) for o in gc.get_objects()
-                    if type(o).__name__ == "_PinnedHostMemory")  # fmt: skip
+        alive = any(
+            ptr == getattr(o, "host_ptr", None)
+            for o in gc.get_objects()
+            if type(o).__name__ == "_PinnedHostMemory"
+        )
         if not alive:
             driver.inner.host_free(ptr)
             del driver.pinned[ptr]
@@ -230,8 +242,9 @@ def test_sweep_extensible_constructor(device):
     state: dict = {}
 
     def operation(s):
-        s["buf"] = ExtensibleTensor(sum(CAPACITIES), device=device,
-                                    segment_capacities=CAPACITIES, driver=s["driver"])  # fmt: skip
+        s["buf"] = ExtensibleTensor(
+            sum(CAPACITIES), device=device, segment_capacities=CAPACITIES, driver=s["driver"]
+        )
 
     def setup(driver):
         state.clear()
@@ -364,8 +377,9 @@ def test_sweep_buffer_create_and_free(device, cls):
 
 
 def _pool(device, driver, guarded=False, buffer_cls=UvaBuffer):
-    return UvaBufferPool((2, 3), "int32", 3, device, buffer_cls=buffer_cls, guarded=guarded,
-                         driver=driver)  # fmt: skip
+    return UvaBufferPool(
+        (2, 3), "int32", 3, device, buffer_cls=buffer_cls, guarded=guarded, driver=driver
+    )
 
 
 @pytest.mark.parametrize("buffer_cls", [UvaBuffer, NonUvaBuffer])
@@ -414,7 +428,7 @@ def test_sweep_pool_copy_with_growth(device, buffer_cls, guarded):
 
     def operation(s):
         s["step"] += 1
-        x = (np.arange(21, dtype=np.int32).reshape(7, 3) + s["step"])  # grows the slot to 8 rows
+        x = np.arange(21, dtype=np.int32).reshape(7, 3) + s["step"]  # grows the slot to 8 rows
         s["view"] = s["pool"].copy_to_uva(x)
         s["x"] = x
 
@@ -458,8 +472,14 @@ def test_sweep_staged_construct_and_free(device, uva):
         return {"driver": driver}
 
     def construct(s):
-        s["swt"] = StagedWriteTensor((4, 5), "int32", device, uva_instead_of_gpu=uva,
-                                     backend=_backend(device), driver=s["driver"])  # fmt: skip
+        s["swt"] = StagedWriteTensor(
+            (4, 5),
+            "int32",
+            device,
+            uva_instead_of_gpu=uva,
+            backend=_backend(device),
+            driver=s["driver"],
+        )
 
     def after_construct_fault(s, driver):
         assert "swt" not in s
@@ -476,8 +496,15 @@ def test_sweep_staged_construct_and_free(device, uva):
     def free(s):
         s["swt"].free()
 
-    sweep(device, setup, construct, after_construct_fault, after_construct, free,
-          gc_faults=_STAGED_GC_FAULTS)  # fmt: skip
+    sweep(
+        device,
+        setup,
+        construct,
+        after_construct_fault,
+        after_construct,
+        free,
+        gc_faults=_STAGED_GC_FAULTS,
+    )
 
     def setup_free(driver):
         s = setup(driver)
@@ -489,16 +516,25 @@ def test_sweep_staged_construct_and_free(device, uva):
         gc.collect()
         driver.assert_clean()
 
-    sweep(device, setup_free, free, lambda s, d: d.check_invariants(), after_free, free,
-          gc_faults=_STAGED_GC_FAULTS)  # fmt: skip
+    sweep(
+        device,
+        setup_free,
+        free,
+        lambda s, d: d.check_invariants(),
+        after_free,
+        free,
+        gc_faults=_STAGED_GC_FAULTS,
+    )
 
 
 def _apply_sweep(device, backend, fused):
     from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor
 
     def setup(driver):
-        tensors = [StagedWriteTensor((4, 6), dtype, device, backend=backend, driver=driver)
-                   for dtype in ("int32", "float16")]  # fmt: skip
+        tensors = [
+            StagedWriteTensor((4, 6), dtype, device, backend=backend, driver=driver)
+            for dtype in ("int32", "float16")
+        ]
         writer = FusedStagedWriter(device, 2, backend=backend, driver=driver) if fused else None
         models = [np.zeros((4, 6), t.dtype.numpy) for t in tensors]
         s = {"tensors": tensors, "writer": writer, "models": models}
@@ -552,8 +588,9 @@ def _apply_sweep(device, backend, fused):
         for t in s["tensors"]:
             t.free()
 
-    return sweep(device, setup, _apply, after_fault, after_retry, cleanup,
-                 gc_faults=_STAGED_GC_FAULTS)  # fmt: skip
+    return sweep(
+        device, setup, _apply, after_fault, after_retry, cleanup, gc_faults=_STAGED_GC_FAULTS
+    )
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -669,8 +706,9 @@ def test_regression_fused_writer_close_failure_is_retried():
     from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor
 
     driver = new_driver("cpu")
-    tensors = [StagedWriteTensor(4, "int32", "cpu", backend="numpy", driver=driver)
-               for _ in range(2)]  # fmt: skip
+    tensors = [
+        StagedWriteTensor(4, "int32", "cpu", backend="numpy", driver=driver) for _ in range(2)
+    ]
     writer = FusedStagedWriter("cpu", 1, backend="numpy", driver=driver)
     for step in range(2):  # both slots made
         for t in tensors:
@@ -724,12 +762,10 @@ def test_regression_apply_whose_event_fails_is_applied_not_restaged(cuda_device)
     assert "are applied" in " ".join(getattr(info.value, "__notes__", []))
     del info
     assert swt.num_staged_writes == 0
-    np.testing.assert_array_equal(_read_staged(swt, cuda_device),
-                                  [[0, 0, 0, 0], [5, 6, 7, 0]])  # fmt: skip
+    np.testing.assert_array_equal(_read_staged(swt, cuda_device), [[0, 0, 0, 0], [5, 6, 7, 0]])
     swt.stage_write(0, 1, [9])  # usable afterwards
     swt.apply_write()
-    np.testing.assert_array_equal(_read_staged(swt, cuda_device),
-                                  [[0, 9, 0, 0], [5, 6, 7, 0]])  # fmt: skip
+    np.testing.assert_array_equal(_read_staged(swt, cuda_device), [[0, 9, 0, 0], [5, 6, 7, 0]])
     swt.free()
     gc.collect()
     driver.assert_clean()
@@ -753,10 +789,12 @@ def _state_machine(device: str):
             super().__init__()
             self.driver = new_driver(device)
             self.m = BufModel(self.driver, device, CAPACITIES)
-            self.pool = UvaBufferPool((2, 4), "int32", 2, device, buffer_cls=UvaBuffer,
-                                      driver=self.driver)  # fmt: skip
-            self.swt = StagedWriteTensor((ROWS, COLS), "int32", device, backend=_backend(device),
-                                         driver=self.driver)  # fmt: skip
+            self.pool = UvaBufferPool(
+                (2, 4), "int32", 2, device, buffer_cls=UvaBuffer, driver=self.driver
+            )
+            self.swt = StagedWriteTensor(
+                (ROWS, COLS), "int32", device, backend=_backend(device), driver=self.driver
+            )
             self.target = np.zeros((ROWS, COLS), np.int32)
             self.finalizer_faults = 0
 
@@ -796,8 +834,9 @@ def _state_machine(device: str):
 
         @rule(fs=st.lists(fraction, min_size=3, max_size=3), fault=faults)
         def recommit(self, fs, fault):
-            sizes = [max(s, int(f * c)) for s, f, c in zip(self.m.buf.committed_sizes, fs,
-                                                           CAPACITIES)]  # fmt: skip
+            sizes = [
+                max(s, int(f * c)) for s, f, c in zip(self.m.buf.committed_sizes, fs, CAPACITIES)
+            ]
             if self.run(fault, lambda: self.m.grow(sizes, True)):
                 self.m.grow(sizes, True)
 
@@ -851,7 +890,7 @@ def _state_machine(device: str):
 
         @rule(n=st.integers(0, 9), seed=st.integers(0, 1000), fault=faults)
         def pool_copy(self, n, seed, fault):
-            x = (np.arange(n * 4, dtype=np.int32).reshape(n, 4) + seed)
+            x = np.arange(n * 4, dtype=np.int32).reshape(n, 4) + seed
             out = {}
 
             def copy():
@@ -861,9 +900,19 @@ def _state_machine(device: str):
                 copy()
             np.testing.assert_array_equal(read_view(out["view"], device), x)
 
-        @rule(writes=st.lists(st.tuples(st.integers(0, ROWS - 1), st.integers(0, COLS - 1),
-                                        st.integers(1, COLS), st.integers(-99, 99)),
-                              min_size=1, max_size=6), fault=faults)  # fmt: skip
+        @rule(
+            writes=st.lists(
+                st.tuples(
+                    st.integers(0, ROWS - 1),
+                    st.integers(0, COLS - 1),
+                    st.integers(1, COLS),
+                    st.integers(-99, 99),
+                ),
+                min_size=1,
+                max_size=6,
+            ),
+            fault=faults,
+        )
         def stage_and_apply(self, writes, fault):
             expected = self.target.copy()
             for row, start, n, value in writes:
@@ -918,9 +967,16 @@ def test_random_operations_with_faults(device):
     try:
         run_state_machine_as_test(
             _state_machine(device),
-            settings=settings(max_examples=40, stateful_step_count=12, deadline=None,
-                              derandomize=True, database=None, print_blob=True,
-                              phases=phases, suppress_health_check=list(HealthCheck)),
-        )  # fmt: skip
+            settings=settings(
+                max_examples=40,
+                stateful_step_count=12,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                print_blob=True,
+                phases=phases,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
     finally:
         gc.enable()

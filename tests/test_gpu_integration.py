@@ -55,8 +55,12 @@ def test_cuda_graph_over_full_view_survives_growth():
 
 def _run(code: str) -> subprocess.CompletedProcess:
     env_code = "import os; os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'false'\n"
-    return subprocess.run([sys.executable, "-c", env_code + textwrap.dedent(code)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", env_code + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_thousands_of_jax_imports_and_a_donated_view_on_vmm_memory():

@@ -49,8 +49,12 @@ GRANULE = 2 << 20
 def run_python(source: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``source`` in a fresh interpreter (JAX on the CPU unless the source says otherwise)."""
     prelude = "import os\nos.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')\n"
-    return subprocess.run([sys.executable, "-X", "dev", "-c", prelude + textwrap.dedent(source)],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-X", "dev", "-c", prelude + textwrap.dedent(source)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def assert_clean_exit(result: subprocess.CompletedProcess, marker: str = "done") -> None:
@@ -62,8 +66,11 @@ def assert_clean_exit(result: subprocess.CompletedProcess, marker: str = "done")
 
 def assert_segfault(result: subprocess.CompletedProcess, marker: str) -> None:
     assert marker in result.stdout, (result.stdout, result.stderr[-3000:])
-    assert result.returncode == -signal.SIGSEGV, (result.returncode, result.stdout,
-                                                  result.stderr[-3000:])
+    assert result.returncode == -signal.SIGSEGV, (
+        result.returncode,
+        result.stdout,
+        result.stderr[-3000:],
+    )
     assert "READ" not in result.stdout, result.stdout
 
 
@@ -194,8 +201,9 @@ def _extensible(driver):
 
 
 def _pool(driver):
-    pool = jaxbuf.UvaBufferPool((8, 2), "int32", device="cpu", driver=driver,
-                                buffer_cls=jaxbuf.UvaBuffer)
+    pool = jaxbuf.UvaBufferPool(
+        (8, 2), "int32", device="cpu", driver=driver, buffer_cls=jaxbuf.UvaBuffer
+    )
     return pool, [pool.copy_to_uva([[1, 2], [3, 4]]), pool.copy_to_uva(np.ones((20, 2), np.int32))]
 
 
@@ -204,13 +212,17 @@ def _staged(driver):
     swt.stage_write(0, 0, [1, 2])
     swt.apply_write()
     swt.stage_write(1, 0, [3])
-    uva = jaxbuf.StagedWriteTensor(8, "int32", device="cpu", backend="numpy", driver=driver,
-                                   uva_instead_of_gpu=True)
+    uva = jaxbuf.StagedWriteTensor(
+        8, "int32", device="cpu", backend="numpy", driver=driver, uva_instead_of_gpu=True
+    )
     return swt, [swt.gpu, uva, uva.gpu]
 
 
-@pytest.mark.parametrize("make", [_extensible, _pool, _staged],
-                         ids=["ExtensibleTensor", "UvaBufferPool", "StagedWriteTensor"])
+@pytest.mark.parametrize(
+    "make",
+    [_extensible, _pool, _staged],
+    ids=["ExtensibleTensor", "UvaBufferPool", "StagedWriteTensor"],
+)
 def test_cycles_are_collected_and_free_their_memory(make, monkeypatch):
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
@@ -620,8 +632,11 @@ def test_quarantine_drops_pages_still_mapped():
     driver.release(chunk)
     driver.free_reserved(base, mmap.PAGESIZE)
     with open("/proc/self/maps") as maps:
-        entry = next(line for line in maps if int(line.split("-")[0], 16) <= base
-                     < int(line.split()[0].split("-")[1], 16))
+        entry = next(
+            line
+            for line in maps
+            if int(line.split("-")[0], 16) <= base < int(line.split()[0].split("-")[1], 16)
+        )
     assert entry.split()[1] == "---p", entry
     driver.flush_quarantine()
 

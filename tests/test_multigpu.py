@@ -61,8 +61,12 @@ def _env(**extra: str) -> dict[str, str]:
 def _run_script(script: str, timeout: float = 300, **extra_env: str):
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env(**extra_env),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=_env(**extra_env),
+    )
     if result.returncode == 3 and "SKIP:" in result.stdout:
         pytest.skip(result.stdout.split("SKIP:", 1)[1].strip())
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
@@ -106,8 +110,9 @@ class TwoDeviceHostDriver(HostVmmDriver):
 
 def _granted(driver: TwoDeviceHostDriver, buf: ExtensibleTensor, device_index: int):
     """Byte ranges (relative to the base) granted to ``device_index``, merged."""
-    ranges = sorted((p - buf.base_ptr, p - buf.base_ptr + s)
-                    for p, s, d in driver.grants if d == device_index)  # fmt: skip
+    ranges = sorted(
+        (p - buf.base_ptr, p - buf.base_ptr + s) for p, s, d in driver.grants if d == device_index
+    )
     merged: list[list[int]] = []
     for start, end in ranges:
         if merged and start <= merged[-1][1]:
@@ -148,8 +153,9 @@ def test_the_real_cpu_driver_has_no_peers():
 
 def test_every_commit_is_granted_to_the_owner_and_its_peers():
     driver = TwoDeviceHostDriver()
-    buf = ExtensibleTensor(16 * MiB, device="cpu", driver=driver, num_segments=2,
-                           peer_devices=["cpu:1"])  # fmt: skip
+    buf = ExtensibleTensor(
+        16 * MiB, device="cpu", driver=driver, num_segments=2, peer_devices=["cpu:1"]
+    )
     try:
         assert buf.peer_devices == (Device("cpu", 1),)
         buf.resize_per_segment_(3 * MiB)
@@ -324,9 +330,11 @@ print("ALL OK")
 def test_sharded_jax_array_over_two_cpu_devices():
     flags = os.environ.get("XLA_FLAGS", "")
     _run_script(
-        SHARDING_CPU_SCRIPT, timeout=180, JAX_PLATFORMS="cpu",
+        SHARDING_CPU_SCRIPT,
+        timeout=180,
+        JAX_PLATFORMS="cpu",
         XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=2".strip(),
-    )  # fmt: skip
+    )
 
 
 # -- GPU: peer access ------------------------------------------------------------------------
@@ -583,12 +591,23 @@ def test_nccl_all_reduce_over_jaxbuf_views():
     port = str(_free_port())
     procs = []
     for rank in range(world):
-        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", NCCL_RANK_SCRIPT], cwd=REPO, env=env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        ))  # fmt: skip
+        env = _env(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", NCCL_RANK_SCRIPT],
+                cwd=REPO,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     outputs = []
     try:
         for proc in procs:
@@ -605,4 +624,3 @@ def test_nccl_all_reduce_over_jaxbuf_views():
     assert [p.returncode for p in procs] == [0] * world, report
     for rank, (out, _) in enumerate(outputs):
         assert f"rank {rank} ALL OK" in out, report
-

@@ -21,7 +21,6 @@ import pathlib
 import sys
 
 import pytest
-
 from conftest import JAX_REASON, TORCH_REASON
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -30,8 +29,8 @@ FULL_CPU_CYCLES = 100_000
 GPU_CYCLES = 10_000
 
 pytestmark = pytest.mark.skipif(
-    bool(TORCH_REASON or JAX_REASON), reason=f"the soak views through torch and JAX: "
-    f"{TORCH_REASON or JAX_REASON}"
+    bool(TORCH_REASON or JAX_REASON),
+    reason=f"the soak views through torch and JAX: {TORCH_REASON or JAX_REASON}",
 )
 
 
@@ -47,14 +46,19 @@ soak = _load_soak()
 
 
 def _assert_clean(summary: dict) -> None:
-    report = {name: (m["start"], m["end"], m["delta"], m["tolerance"])
-              for name, m in summary["metrics"].items()}  # fmt: skip
-    assert summary["ok"], f"soak metrics not back at start (start, end, delta, tol): {report}; " \
-                          f"invariants: {summary['invariant_problems']}"
+    report = {
+        name: (m["start"], m["end"], m["delta"], m["tolerance"])
+        for name, m in summary["metrics"].items()
+    }
+    assert summary["ok"], (
+        f"soak metrics not back at start (start, end, delta, tol): {report}; "
+        f"invariants: {summary['invariant_problems']}"
+    )
     assert set(summary["metrics"]) >= {"rss_bytes", "open_fds", "mappings", "live_handles"}
     assert summary["metrics"]["live_handles"]["end"] == 0
-    assert not any(summary["live_at_end"][kind] for kind in summary["live_at_end"]
-                   if kind != "host")  # the soak's own read-back block is the one host handle
+    assert not any(
+        summary["live_at_end"][kind] for kind in summary["live_at_end"] if kind != "host"
+    )  # the soak's own read-back block is the one host handle
 
 
 def test_soak_cpu_ci():
@@ -66,8 +70,10 @@ def test_soak_cpu_ci():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("JAXBUF_SOAK_FULL") != "1",
-                    reason="100,000 CPU cycles take 4-7 minutes here; set JAXBUF_SOAK_FULL=1")
+@pytest.mark.skipif(
+    os.environ.get("JAXBUF_SOAK_FULL") != "1",
+    reason="100,000 CPU cycles take 4-7 minutes here; set JAXBUF_SOAK_FULL=1",
+)
 def test_soak_cpu_100k():
     _assert_clean(soak.run("cpu", cycles=FULL_CPU_CYCLES, every=100))
 
@@ -81,8 +87,21 @@ def test_soak_cuda_10k(cuda_device):
 
 def test_main_prints_table_and_writes_json(tmp_path, capsys):
     path = tmp_path / "soak.json"
-    rc = soak.main(["--device", "cpu", "--cycles", "60", "--every", "20", "--warmup", "20",
-                    "--quiet", "--json", str(path)])
+    rc = soak.main(
+        [
+            "--device",
+            "cpu",
+            "--cycles",
+            "60",
+            "--every",
+            "20",
+            "--warmup",
+            "20",
+            "--quiet",
+            "--json",
+            str(path),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "open_fds" in out and "PASS" in out

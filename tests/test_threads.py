@@ -71,7 +71,7 @@ def test_threads_stage_and_apply_separate_tensors(device):
                     length = int(rng.integers(1, shape[1] - start + 1))
                     values = rng.integers(-100, 100, length).astype(dtype)
                     swt.stage_write(row, start, values)
-                    model[row, start:start + length] = values
+                    model[row, start : start + length] = values
                 swt.stage_write_elem(index, index + 1)
                 model[index, 0] = index + 1
                 swt.apply_write()

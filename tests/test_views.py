@@ -34,8 +34,13 @@ def aligned(array: np.ndarray, alignment: int = 256) -> np.ndarray:
 
 
 def host_view(array: np.ndarray, dtype=None, shape=None) -> BufferView:
-    return BufferView(array.ctypes.data, array.nbytes, dtype or array.dtype.name,
-                      shape if shape is not None else array.shape, owner=array)  # fmt: skip
+    return BufferView(
+        array.ctypes.data,
+        array.nbytes,
+        dtype or array.dtype.name,
+        shape if shape is not None else array.shape,
+        owner=array,
+    )
 
 
 # -- capsule layout -------------------------------------------------------------------------
@@ -53,9 +58,7 @@ def test_legacy_capsule_layout(shape):
     assert tensor.ndim == len(shape)
     assert (tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes) == (2, 32, 1)
     assert [tensor.shape[i] for i in range(len(shape))] == list(shape)
-    assert [tensor.strides[i] for i in range(len(shape))] == list(
-        _dlpack.contiguous_strides(shape)
-    )
+    assert [tensor.strides[i] for i in range(len(shape))] == list(_dlpack.contiguous_strides(shape))
     assert tensor.byte_offset == 0
     assert managed.deleter == _dlpack.LEGACY_DELETER_ADDRESS
     assert managed.manager_ctx is not None  # the ExportAnchor keeping ``data`` alive
@@ -239,9 +242,16 @@ def test_as_device(spec, expected):
 
 
 @pytest.mark.parametrize(
-    "spec, error", [("tpu", ValueError), ("cuda:x", ValueError), (-1, ValueError),
-                    (None, TypeError), (True, TypeError), (1.0, TypeError)],
-)  # fmt: skip
+    "spec, error",
+    [
+        ("tpu", ValueError),
+        ("cuda:x", ValueError),
+        (-1, ValueError),
+        (None, TypeError),
+        (True, TypeError),
+        (1.0, TypeError),
+    ],
+)
 def test_as_device_rejects(spec, error):
     with pytest.raises(error):
         as_device(spec)
@@ -280,8 +290,9 @@ def test_canonical_dtype_spellings(framework):
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_thousands_of_jax_imports_and_a_donated_array():

@@ -38,7 +38,9 @@ def main(argv: list[str]) -> int:
     for key, value in after.items():
         if key in before:
             ratio = value / before[key]
-            print(f"| {key[0]} | {key[1]} | {_format(before[key])} | {_format(value)} | {ratio:.2f} |")
+            print(
+                f"| {key[0]} | {key[1]} | {_format(before[key])} | {_format(value)} | {ratio:.2f} |"
+            )
     return 0
 
 

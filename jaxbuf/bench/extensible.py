@@ -109,9 +109,14 @@ def _torch_realloc(device: Any, committed: int, step: int, repeat: int) -> Timin
 
         # Each grow is to a size never allocated before, so a real realloc misses the
         # caching allocator: return the new block to the driver after every sample.
-        return measure(realloc, repeat=repeat, warmup=1, synchronize=sync,
-                       teardown=lambda: release_torch_memory(device),
-                       device_timer=device_event_timer(device))  # fmt: skip
+        return measure(
+            realloc,
+            repeat=repeat,
+            warmup=1,
+            synchronize=sync,
+            teardown=lambda: release_torch_memory(device),
+            device_timer=device_event_timer(device),
+        )
     finally:
         old = None  # drop the tensor before returning torch's cache
         release_torch_memory(device)

@@ -89,13 +89,22 @@ def _libc() -> ctypes.CDLL:
     """libc with typed ``mmap``/``munmap``; a private CDLL, so other users' argtypes stay theirs."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.argtypes = [
-        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
     ]
     libc.mmap.restype = ctypes.c_void_p
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.munmap.restype = ctypes.c_int
     libc.mremap.argtypes = [
-        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_void_p,
     ]
     libc.mremap.restype = ctypes.c_void_p
     return libc
@@ -167,8 +176,10 @@ class HostVmmDriver(VmmDriver):
     dlpack_host_device_type = K_DL_CPU
 
     def __init__(self, *, quarantine_bytes: int = 64 << 30, quarantine_ranges: int = 4096) -> None:
-        for name, value in (("quarantine_bytes", quarantine_bytes),
-                            ("quarantine_ranges", quarantine_ranges)):
+        for name, value in (
+            ("quarantine_bytes", quarantine_bytes),
+            ("quarantine_ranges", quarantine_ranges),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         self._host_allocations: dict[int, int] = {}
@@ -259,8 +270,10 @@ class HostVmmDriver(VmmDriver):
         with self._quarantine_lock:
             self._quarantine.append((ptr, size))
             self._quarantined_bytes += size
-            while (self._quarantined_bytes > self.quarantine_bytes
-                   or len(self._quarantine) > self.quarantine_ranges):
+            while (
+                self._quarantined_bytes > self.quarantine_bytes
+                or len(self._quarantine) > self.quarantine_ranges
+            ):
                 old = self._quarantine.popleft()
                 self._quarantined_bytes -= old[1]
                 evicted.append(old)
@@ -346,7 +359,11 @@ class HostVmmDriver(VmmDriver):
         _check_args("mremap", size, dst_ptr)
         if handle.released or not handle.mapped or handle.ptr != src_ptr or handle.size != size:
             raise DriverError(
-                "mremap", "EINVAL", src=hex(src_ptr), dst=hex(dst_ptr), size=size,
+                "mremap",
+                "EINVAL",
+                src=hex(src_ptr),
+                dst=hex(dst_ptr),
+                size=size,
                 chunk=repr(handle),
             )
         libc = _libc()
@@ -356,25 +373,44 @@ class HostVmmDriver(VmmDriver):
         if result is None or result == _MAP_FAILED:
             code = ctypes.get_errno()
             if code != errno.EINVAL:
-                raise DriverError("mremap", _errno_name(code), src=hex(src_ptr),
-                                  dst=hex(dst_ptr), size=size)  # fmt: skip
+                raise DriverError(
+                    "mremap", _errno_name(code), src=hex(src_ptr), dst=hex(dst_ptr), size=size
+                )
             keep_source = False  # a kernel without MREMAP_DONTUNMAP for shared mappings
             result = libc.mremap(src_ptr, size, size, flags, dst_ptr)
             if result is None or result == _MAP_FAILED:
-                raise DriverError("mremap", _errno_name(ctypes.get_errno()),
-                                  src=hex(src_ptr), dst=hex(dst_ptr), size=size)  # fmt: skip
+                raise DriverError(
+                    "mremap",
+                    _errno_name(ctypes.get_errno()),
+                    src=hex(src_ptr),
+                    dst=hex(dst_ptr),
+                    size=size,
+                )
         reserve_flags = _MAP_RESERVE_FLAGS | (_MAP_FIXED if keep_source else _MAP_FIXED_NOREPLACE)
         try:
-            _mmap(src_ptr, size, _PROT_NONE, reserve_flags, -1, ptr=hex(src_ptr),
-                  moved_to=hex(dst_ptr))  # fmt: skip
+            _mmap(
+                src_ptr,
+                size,
+                _PROT_NONE,
+                reserve_flags,
+                -1,
+                ptr=hex(src_ptr),
+                moved_to=hex(dst_ptr),
+            )
         except DriverError:
             if keep_source:
                 # Move the pages back over the stale source mapping, so that nothing
                 # changed; dst becomes a hole, re-reserved (it was a reservation).
                 back = libc.mremap(dst_ptr, size, size, flags, src_ptr)
                 if back is not None and back != _MAP_FAILED:
-                    _mmap(dst_ptr, size, _PROT_NONE, _MAP_RESERVE_FLAGS | _MAP_FIXED_NOREPLACE,
-                          -1, ptr=hex(dst_ptr))  # fmt: skip
+                    _mmap(
+                        dst_ptr,
+                        size,
+                        _PROT_NONE,
+                        _MAP_RESERVE_FLAGS | _MAP_FIXED_NOREPLACE,
+                        -1,
+                        ptr=hex(dst_ptr),
+                    )
                     raise
             handle.ptr = dst_ptr
             raise
@@ -518,13 +554,13 @@ def _check_device(call: str, device_index: int) -> None:
         raise DriverError(call, "ENODEV", device=device_index)
 
 
-def _check_args(call: str, size: int, ptr: int | None = None, *, pages: bool = True,
-                **details: object) -> None:
+def _check_args(
+    call: str, size: int, ptr: int | None = None, *, pages: bool = True, **details: object
+) -> None:
     """``size`` a positive int (a negative one would wrap to a huge ``size_t`` in ctypes);
     with ``pages``, ``size`` and ``ptr`` (when given) multiples of the page size."""
     # ctypes masks an int into size_t: a size past 2**63 would silently wrap to a small one.
-    valid = (isinstance(size, int) and 0 < size < 1 << 63
-             and not (pages and size % mmap.PAGESIZE))
+    valid = isinstance(size, int) and 0 < size < 1 << 63 and not (pages and size % mmap.PAGESIZE)
     if ptr is not None:
         valid = valid and isinstance(ptr, int) and not ptr % mmap.PAGESIZE
         details = {"ptr": hex(ptr) if isinstance(ptr, int) else ptr, **details}

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .. import interop
-from .._checks import DEFAULT_MAX_CONCURRENCY, MAX_CONCURRENCY, as_count, as_max_concurrency
+from .._checks import as_max_concurrency
 from .._errors import Cleanup
 from .._lifetime import release_when_collected
 from .._resolve import resolve
