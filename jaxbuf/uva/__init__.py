@@ -32,10 +32,11 @@ Examples
 
 from __future__ import annotations
 
+from .._checks import DEFAULT_MAX_CONCURRENCY, MAX_CONCURRENCY
 from ..views import BufferView  # noqa: F401 - jaxbuf.uva.BufferView: the module had it
 from ._backed import UvaBackedTensor
 from ._buffers import NonUvaBuffer, UvaBuffer, async_copy_to_device
-from ._pool import DEFAULT_MAX_CONCURRENCY, MAX_CONCURRENCY, UvaBufferPool
+from ._pool import UvaBufferPool
 from ._probe import (
     _probe_aliasing,  # noqa: F401 - the probe's pieces, reached as jaxbuf.uva._... by tests
     _uva_unavailable_reason,  # noqa: F401
