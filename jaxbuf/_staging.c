@@ -25,7 +25,8 @@
  * row, its own start and length, its content offset moved by as much). The writes it emits
  * never overlap, so the kernel always runs in parallel, one program per write, and the result
  * is the in-order result. A batch without overlaps costs nothing here at pack time, whether
- * rows repeat or not. Records appended by the Python paths are indexed on the next stage() or
+ * rows repeat or not. (The covered intervals are a sorted array: a row with thousands of
+ * disjoint writes in random order costs their memmoves, some 0.3 ms for 4,096 in one row.) Records appended by the Python paths are indexed on the next stage() or
  * resolve() (they are caught up in order). Clearing the buffers goes through reset() or
  * clear(), O(1): the hash's slots carry a generation stamp.
  *

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from . import interop
-from ._checks import DEFAULT_MAX_CONCURRENCY, as_count, as_max_concurrency
 from ._checks import as_int as as_index
+from ._checks import as_max_concurrency
 from .devices import Device
 from .dtypes import DType, canonical_dtype
 

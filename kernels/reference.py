@@ -44,25 +44,34 @@ _ELEM_SIZES = (1, 2, 4, 8)
 
 def make_write_table(groups, rows, starts, content_offsets, lengths) -> np.ndarray:
     """Stack the per-write fields into a C-contiguous int64 ``[W, 5]`` table."""
-    columns = [np.asarray(c, dtype=np.int64).reshape(-1)
-               for c in (groups, rows, starts, content_offsets, lengths)]
+    columns = [
+        np.asarray(c, dtype=np.int64).reshape(-1)
+        for c in (groups, rows, starts, content_offsets, lengths)
+    ]
     num_writes = columns[0].shape[0]
     for name, column in zip(WRITE_FIELDS, columns):
         if column.shape[0] != num_writes:
-            raise ValueError(f"write field {name!r} has {column.shape[0]} entries, "
-                             f"expected {num_writes}")
-    return np.ascontiguousarray(np.stack(columns, axis=1)) if num_writes else np.zeros(
-        (0, 5), np.int64)
+            raise ValueError(
+                f"write field {name!r} has {column.shape[0]} entries, expected {num_writes}"
+            )
+    return (
+        np.ascontiguousarray(np.stack(columns, axis=1))
+        if num_writes
+        else np.zeros((0, 5), np.int64)
+    )
 
 
 def make_group_table(out_ptrs, row_strides, elem_sizes) -> np.ndarray:
     """Stack the per-group fields into a C-contiguous int64 ``[G, 3]`` table."""
-    columns = [np.asarray(c, dtype=np.int64).reshape(-1)
-               for c in (out_ptrs, row_strides, elem_sizes)]
+    columns = [
+        np.asarray(c, dtype=np.int64).reshape(-1) for c in (out_ptrs, row_strides, elem_sizes)
+    ]
     for name, column in zip(GROUP_FIELDS, columns):
         if column.shape[0] != columns[0].shape[0]:
-            raise ValueError(f"group field {name!r} has {column.shape[0]} entries, "
-                             f"expected {columns[0].shape[0]}")
+            raise ValueError(
+                f"group field {name!r} has {column.shape[0]} entries, "
+                f"expected {columns[0].shape[0]}"
+            )
     bad = ~np.isin(columns[2], _ELEM_SIZES)
     if bad.any():
         raise ValueError(f"elem_size must be one of {_ELEM_SIZES}, got {columns[2][bad][0]}")
@@ -88,10 +97,11 @@ def pack_contents(values: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]
     # Over-allocate by the alignment and slice so the start is aligned whatever numpy gave us.
     raw = np.zeros(total + CONTENT_ALIGNMENT, dtype=np.uint8)
     shift = (-raw.ctypes.data) % CONTENT_ALIGNMENT
-    contents = raw[shift:shift + total]
+    contents = raw[shift : shift + total]
     for offset, value in zip(offsets, values):
-        contents[offset:offset + value.nbytes] = np.ascontiguousarray(value).reshape(-1).view(
-            np.uint8)
+        contents[offset : offset + value.nbytes] = (
+            np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+        )
     return contents, offsets
 
 
@@ -101,18 +111,25 @@ def has_overlap(groups, rows, starts, lengths) -> bool:
     O(W log W): sort by (group, row, start); with sorted starts, a write overlaps some later
     write exactly when it overlaps the next one in its row, so comparing neighbours suffices.
     """
-    groups, rows, starts, lengths = (np.asarray(a, dtype=np.int64).reshape(-1)
-                                     for a in (groups, rows, starts, lengths))
+    groups, rows, starts, lengths = (
+        np.asarray(a, dtype=np.int64).reshape(-1) for a in (groups, rows, starts, lengths)
+    )
     if not groups.shape == rows.shape == starts.shape == lengths.shape:
-        raise ValueError(f"groups, rows, starts and lengths differ in length: {groups.shape[0]}, "
-                         f"{rows.shape[0]}, {starts.shape[0]}, {lengths.shape[0]}")
+        raise ValueError(
+            f"groups, rows, starts and lengths differ in length: {groups.shape[0]}, "
+            f"{rows.shape[0]}, {starts.shape[0]}, {lengths.shape[0]}"
+        )
     keep = lengths > 0  # an empty write touches nothing
     groups, rows, starts, lengths = groups[keep], rows[keep], starts[keep], lengths[keep]
     if groups.shape[0] < 2:
         return False
     order = np.lexsort((starts, rows, groups))
-    groups, rows, starts, ends = (groups[order], rows[order], starts[order],
-                                  starts[order] + lengths[order])
+    groups, rows, starts, ends = (
+        groups[order],
+        rows[order],
+        starts[order],
+        starts[order] + lengths[order],
+    )
     same_row = (groups[1:] == groups[:-1]) & (rows[1:] == rows[:-1])
     return bool(np.any(same_row & (ends[:-1] > starts[1:])))
 
@@ -135,8 +152,7 @@ def resolve_later_wins(write_table: np.ndarray, elem_sizes: Any = None) -> np.nd
     """
     table = np.asarray(write_table)
     if table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != 5:
-        raise ValueError(f"write_table must be int64 [W, 5], got {table.dtype} "
-                         f"{list(table.shape)}")
+        raise ValueError(f"write_table must be int64 [W, 5], got {table.dtype} {list(table.shape)}")
     if table.shape[0] < 2:
         return table
     order = np.lexsort((table[:, 1], table[:, 0]))  # stable: each row's writes stay in order
@@ -149,7 +165,7 @@ def resolve_later_wins(write_table: np.ndarray, elem_sizes: Any = None) -> np.nd
     for first, last in zip(run_bounds[0::2].tolist(), run_bounds[1::2].tolist()):
         covered_starts: list[int] = []  # sorted, disjoint intervals [start, end)
         covered_ends: list[int] = []
-        for write in reversed(order[first:last + 1].tolist()):  # newest first
+        for write in reversed(order[first : last + 1].tolist()):  # newest first
             _, _, start, _, length = table[write].tolist()
             end = start + length
             if length <= 0:
@@ -200,8 +216,10 @@ def address_of(obj: Any) -> int:
         return int(obj.ctypes.data)
     if hasattr(obj, "data_ptr"):
         return int(obj.data_ptr())
-    raise TypeError(f"cannot take the address of {type(obj).__name__}; pass an int address, "
-                    "a numpy array or an object with data_ptr()")
+    raise TypeError(
+        f"cannot take the address of {type(obj).__name__}; pass an int address, "
+        "a numpy array or an object with data_ptr()"
+    )
 
 
 def _check_tables(write_table: np.ndarray, group_table: np.ndarray) -> None:
@@ -209,14 +227,16 @@ def _check_tables(write_table: np.ndarray, group_table: np.ndarray) -> None:
         if not isinstance(table, np.ndarray):
             raise TypeError(f"{name} must be a numpy array, got {type(table).__name__}")
         if table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != width:
-            raise ValueError(f"{name} must be int64 [N, {width}], got {table.dtype} "
-                             f"{list(table.shape)}")
+            raise ValueError(
+                f"{name} must be int64 [N, {width}], got {table.dtype} {list(table.shape)}"
+            )
         if not table.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")
 
 
-def apply_staged_writes_numpy(write_table: np.ndarray, group_table: np.ndarray, contents: Any,
-                              num_writes: int | None = None) -> None:
+def apply_staged_writes_numpy(
+    write_table: np.ndarray, group_table: np.ndarray, contents: Any, num_writes: int | None = None
+) -> None:
     """Apply the first ``num_writes`` rows of ``write_table`` in order; later writes win.
 
     Tables are host numpy arrays; ``contents`` is a numpy array or an int address; targets are
@@ -232,8 +252,11 @@ def apply_staged_writes_numpy(write_table: np.ndarray, group_table: np.ndarray, 
         if length <= 0:
             continue
         out_ptr, row_stride, elem_size = group_table[group].tolist()
-        ctypes.memmove(out_ptr + (row * row_stride + start) * elem_size,
-                       contents_addr + content_offset, length * elem_size)
+        ctypes.memmove(
+            out_ptr + (row * row_stride + start) * elem_size,
+            contents_addr + content_offset,
+            length * elem_size,
+        )
 
 
 def row_segments(write_table: np.ndarray) -> np.ndarray:

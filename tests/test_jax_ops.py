@@ -24,7 +24,7 @@ def _model(array, rows, starts, values_list):
     """Writes applied one after another: later writes win."""
     out = np.array(array)
     for row, start, values in zip(rows, starts, values_list):
-        out[row, start:start + len(values)] = values
+        out[row, start : start + len(values)] = values
     return out
 
 
@@ -51,8 +51,7 @@ def test_random_writes_match_numpy_model(apply_jit, method, dtype):
     for _ in range(4):
         array = (rng.standard_normal(SHAPE) * 100).astype(np_dtype)
         writes = _random_writes(rng, int(rng.integers(0, 20)), np_dtype)
-        got = apply_jit(jnp.asarray(array), pack_writes(*writes, dtype, shape=SHAPE),
-                        method=method)
+        got = apply_jit(jnp.asarray(array), pack_writes(*writes, dtype, shape=SHAPE), method=method)
         np.testing.assert_array_equal(np.asarray(got), _model(array, *writes))
 
 
@@ -62,8 +61,9 @@ def test_overlapping_writes_later_wins(apply_jit, method):
     starts = [0, 2, 4, 0, 1, 9]
     values_list = [[1] * 8, [2] * 3, [3] * 6, [4] * 4, [5] * 2, [6]]
     array = np.zeros((2, 10), np.int32)
-    got = apply_jit(jnp.asarray(array), pack_writes(rows, starts, values_list, "int32"),
-                    method=method)
+    got = apply_jit(
+        jnp.asarray(array), pack_writes(rows, starts, values_list, "int32"), method=method
+    )
     np.testing.assert_array_equal(np.asarray(got), _model(array, rows, starts, values_list))
     np.testing.assert_array_equal(np.asarray(got)[0], [1, 1, 2, 2, 3, 3, 3, 3, 3, 6])
 
@@ -139,14 +139,17 @@ def test_pack_writes_buckets_and_padding():
     assert [bucket_size(n) for n in (0, 1, 16, 17, 100)] == [16, 16, 16, 32, 128]
 
 
-@pytest.mark.parametrize("rows, starts, values_list, dtype, error", [
-    ([0], [0], [[1.5]], "int32", ValueError),  # would drop a fraction
-    ([0], [0], [[2 ** 40]], "int32", ValueError),  # would wrap around
-    ([6], [0], [[1]], "int32", IndexError),  # row out of range
-    ([0], [38], [[1, 2, 3]], "int32", IndexError),  # past the end of the row
-    ([-1], [0], [[1]], "int32", IndexError),
-    ([0, 1], [0], [[1]], "int32", ValueError),  # ragged argument lists
-])
+@pytest.mark.parametrize(
+    "rows, starts, values_list, dtype, error",
+    [
+        ([0], [0], [[1.5]], "int32", ValueError),  # would drop a fraction
+        ([0], [0], [[2**40]], "int32", ValueError),  # would wrap around
+        ([6], [0], [[1]], "int32", IndexError),  # row out of range
+        ([0], [38], [[1, 2, 3]], "int32", IndexError),  # past the end of the row
+        ([-1], [0], [[1]], "int32", IndexError),
+        ([0, 1], [0], [[1]], "int32", ValueError),  # ragged argument lists
+    ],
+)
 def test_pack_writes_rejects_bad_input(rows, starts, values_list, dtype, error):
     with pytest.raises(error):
         pack_writes(rows, starts, values_list, dtype, shape=SHAPE)

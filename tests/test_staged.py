@@ -100,7 +100,7 @@ def _random_round(rng, swt, model, kind, num_writes, overlap):
         start = int(rng.integers(0, row_len - length + 1))
         values = _source_values(rng, swt.dtype.name, length, kind)
         swt.stage_write(row, start, _as_kind(values, kind))
-        model[row, start:start + length] = values
+        model[row, start : start + length] = values
 
 
 @pytest.fixture
@@ -238,7 +238,7 @@ def test_fused_writer_several_tables_one_never_staged(device, packer, cleanup, m
             row = (step + index) % 4
             values = np.arange(index + 1, dtype=np.int32) + 100 * step
             swt.stage_write(row, 1, values)
-            model[row, 1:2 + index] = values
+            model[row, 1 : 2 + index] = values
         writer.apply(tables)
         assert all(t.num_staged_writes == 0 for t in tables)
         for swt, model in zip(tables, models):
@@ -274,7 +274,7 @@ def _overlap_trial(rng, swt, writer_apply, num_writes=12, rows=2):
         start = int(rng.integers(0, row_len - length + 1))
         values = rng.integers(-(2**31), 2**31, length).astype(np.int32)
         swt.stage_write(row, start, values)
-        model[row, start:start + length] = values
+        model[row, start : start + length] = values
     writer_apply()
     _assert_same(_read(swt), model)
 
@@ -328,8 +328,9 @@ def test_overlaps_resolved_before_a_parallel_launch(packer, cleanup, monkeypatch
     assert launches == [False, False]
     assert tables[0].tolist() == [[1, 0, 0, 2], [1, 4, 8, 2], [2, 0, 16, 1]]
     assert tables[1].tolist() == [[3, 0, 0, 1], [3, 1, 8, 1]]
-    _assert_same(_read(swt)[1:], np.array([[1, 2, 0, 0, 3, 4, 0, 0], [5] + [0] * 7,
-                                           [1, 9] + [0] * 6]))  # fmt: skip
+    _assert_same(
+        _read(swt)[1:], np.array([[1, 2, 0, 0, 3, 4, 0, 0], [5] + [0] * 7, [1, 9] + [0] * 6])
+    )
 
 
 def test_fused_writer_rejects_bad_lists(device, cleanup):
@@ -423,14 +424,17 @@ def test_rejected_writes_stage_nothing(device, error, write, cleanup):
     _assert_same(_read(swt), expected)
 
 
-@pytest.mark.parametrize("dtype, values", [
-    ("float16", [70000.0]),
-    ("float16", [1, 2**20]),
-    ("bfloat16", [1e39]),
-    ("float32", np.array([1e300])),
-    ("int64", [2**63]),
-    ("int64", np.array([2.0**63])),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype, values",
+    [
+        ("float16", [70000.0]),
+        ("float16", [1, 2**20]),
+        ("bfloat16", [1e39]),
+        ("float32", np.array([1e300])),
+        ("int64", [2**63]),
+        ("int64", np.array([2.0**63])),
+    ],
+)
 def test_overflow_is_rejected(dtype, values, cleanup):
     swt = _swt(cleanup, (1, 2), dtype, device="cpu", backend="numpy")
     with pytest.raises(ValueError):
@@ -448,8 +452,9 @@ def test_integral_floats_and_bools_are_accepted_for_int_targets(cleanup):
     _assert_same(_read(swt), np.array([[4, -(2**63), 2**62], [1, 0, 1]]))
 
 
-@pytest.mark.parametrize("dtype", ["int8", "uint8", "float64", "bool", "int16", "complex64",
-                                   "not-a-dtype"])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype", ["int8", "uint8", "float64", "bool", "int16", "complex64", "not-a-dtype"]
+)
 def test_bad_dtypes_rejected(dtype):
     with pytest.raises(TypeError, match="int32, int64, float32, float16, bfloat16"):
         StagedWriteTensor((2, 2), dtype, device="cpu")
@@ -472,8 +477,9 @@ def test_bad_constructor_arguments():
 
 def test_missing_triton_names_the_numpy_backend(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "triton" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
     with pytest.raises(ImportError, match="backend='numpy'"):
         StagedWriteTensor((2, 2), "int32", device="cpu")
 
@@ -697,7 +703,7 @@ def test_side_stream_steps_two_in_flight(guarded, cleanup):
                 row, start = int(rng.integers(16)), int(rng.integers(60))
                 values = rng.integers(0, 2**31, 4).astype(np.int32)
                 swt.stage_write(row, start, values)
-                model[row, start:start + 4] = values
+                model[row, start : start + 4] = values
             torch.cuda._sleep(200_000)  # keep the device behind the host
             writer.apply([swt], stream=side)
             snapshots.append(target.clone())
