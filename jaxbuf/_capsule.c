@@ -251,28 +251,41 @@ static PyObject *str_export_anchor = NULL;
 
 /* anchor_for(owner) -> ExportAnchor | None
  *
- * What an export of owner's memory holds, after owner.check_exportable() (which raises once
- * the owner is freed). None for owner=None (foreign memory); owner.export_anchor when it is an
- * ExportAnchor (the owner contract, jaxbuf/_owner.py); otherwise anchor_of(the object it
- * names, or the owner itself when it has no export_anchor). In C because it runs on every
- * export: the budget for a whole capsule is half a microsecond. */
+ * What an export of owner's memory holds. None for owner=None (foreign memory). The owner
+ * contract (jaxbuf/_owner.py) makes owner.export_anchor the owner's one ExportAnchor while it
+ * is open and None once it is freed: a live anchor is returned at once (one attribute read:
+ * the common case, on every export, within a capsule's half-microsecond budget). Otherwise
+ * owner.check_exportable() is called, which raises for a freed owner; an owner outside the
+ * contract gets anchor_of(the object export_anchor names, or the owner itself). */
 static PyObject *anchor_for(PyObject *module, PyObject *owner) {
     if (owner == Py_None) Py_RETURN_NONE;
+    PyObject *anchor;
+    if (lookup_optional_attr(owner, str_export_anchor, &anchor) < 0) return NULL;
+    if (anchor != NULL && Py_TYPE(anchor) == &ExportAnchorType) return anchor;
     PyObject *check;
-    if (lookup_optional_attr(owner, str_check_exportable, &check) < 0) return NULL;
+    if (lookup_optional_attr(owner, str_check_exportable, &check) < 0) {
+        Py_XDECREF(anchor);
+        return NULL;
+    }
     if (check != NULL) {
         PyObject *result = PyObject_CallNoArgs(check);
         Py_DECREF(check);
-        if (result == NULL) return NULL;
+        if (result == NULL) {
+            Py_XDECREF(anchor);
+            return NULL;
+        }
         Py_DECREF(result);
     }
-    PyObject *anchor;
-    if (lookup_optional_attr(owner, str_export_anchor, &anchor) < 0) return NULL;
+    if (anchor == Py_None) {
+        /* Closed, yet check_exportable did not raise: refuse rather than export unanchored. */
+        Py_DECREF(anchor);
+        PyErr_Format(PyExc_RuntimeError, "%R has been freed: no new exports", owner);
+        return NULL;
+    }
     if (anchor == NULL) {
         Py_INCREF(owner);
         anchor = owner;
     }
-    if (Py_TYPE(anchor) == &ExportAnchorType) return anchor;
     PyObject *shared = anchor_of(module, anchor);
     Py_DECREF(anchor);
     return shared;

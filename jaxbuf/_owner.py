@@ -44,7 +44,9 @@ class MemoryOwner(Protocol):
         Returns when new exports are allowed; raises ``RuntimeError`` naming the owner once
         it is freed or closed.
     ``export_anchor``
-        The object an export keeps alive. It holds the allocation, so the memory outlives the
+        The owner's one :class:`~jaxbuf._capsule.ExportAnchor` while it is open, None once it
+        is freed (the export hot path reads only this: a live anchor means "exportable"). The
+        object an export keeps alive. It holds the allocation, so the memory outlives the
         owner handle while arrays use it: the ``jaxbuf._capsule.ExportAnchor`` of the
         owner's :class:`Lifetime`, which counts the live exports (any other object is wrapped
         in an anchor that its live exports share).

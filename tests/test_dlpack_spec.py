@@ -408,37 +408,41 @@ def test_a_view_of_a_freed_owner_does_not_export(device):
             view.to_numpy()
 
 
-def test_check_exportable_runs_before_the_export():
-    """The owner's ``check_exportable()`` runs first; when it raises, nothing is exported
-    (no capsule, no count), and its own ``export_anchor`` is what capsules hold."""
+def test_a_closed_owner_exports_nothing():
+    """The owner contract: ``export_anchor`` is the owner's ExportAnchor while it is open (what
+    capsules hold) and None once closed; then ``check_exportable()`` raises the owner's own
+    error and nothing is exported (no capsule, no count). An owner whose check does not raise
+    but whose anchor is gone is refused all the same."""
 
     class Owner:
-        def __init__(self) -> None:
+        def __init__(self, raises: bool) -> None:
             self.anchor = _capsule.ExportAnchor(self.__class__)  # any object to keep alive
             self.closed = False
+            self.raises = raises
 
         def check_exportable(self) -> None:
-            if self.closed:
+            if self.closed and self.raises:
                 raise RuntimeError("Owner is closed")
 
         @property
         def export_anchor(self):
-            return self.anchor
+            return None if self.closed else self.anchor
 
-    owner = Owner()
-    data = np.zeros(4, np.int32)
-    view = BufferView(data.ctypes.data, data.nbytes, "int32", owner=owner)
-    capsule = view.__dlpack__()
-    assert managed_tensor(capsule).manager_ctx == id(owner.anchor)
-    assert owner.anchor.live_exports == 1
-    owner.closed = True
-    with pytest.raises(RuntimeError, match="closed"):
-        view.__dlpack__()
-    with pytest.raises(RuntimeError, match="closed"):
-        view.to_numpy()
-    assert owner.anchor.live_exports == 1
-    del capsule
-    assert owner.anchor.live_exports == 0
+    for raises, message in ((True, "closed"), (False, "freed")):
+        owner = Owner(raises)
+        data = np.zeros(4, np.int32)
+        view = BufferView(data.ctypes.data, data.nbytes, "int32", owner=owner)
+        capsule = view.__dlpack__()
+        assert managed_tensor(capsule).manager_ctx == id(owner.anchor)
+        assert owner.anchor.live_exports == 1
+        owner.closed = True
+        with pytest.raises(RuntimeError, match=message):
+            view.__dlpack__()
+        with pytest.raises(RuntimeError, match=message):
+            view.to_numpy()
+        assert owner.anchor.live_exports == 1
+        del capsule
+        assert owner.anchor.live_exports == 0
 
 
 # -- ExportAnchor itself ------------------------------------------------------------------------

@@ -553,6 +553,10 @@ CLOSING_IMPORTER = textwrap.dedent(
     }[framework]
     if framework != "numpy":
         __import__(framework)  # its own descriptors and mappings open before the baseline
+    if framework == "jax":
+        import jax
+
+        jax.devices()  # backends start lazily; on a GPU machine CUDA opens descriptors too
 
     def shared_mappings(start, end):
         # Shared (file-backed: the chunks' memfds) mappings inside [start, end).
