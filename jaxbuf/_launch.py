@@ -15,9 +15,14 @@ A :class:`~jaxbuf.fused.FusedStagedWriter` picks one launcher when it is made
   Triton's launcher where that is unavailable (its ``fallback_reason`` says why).
 
 The tables live in a pinned slot the device reads in place, so launchers get device-visible
-addresses; the host launchers also get numpy views of the same tables. ``serial`` asks for
-the writes of one row to run in order (overlapping writes: later wins), with ``segments`` the
-device address of ``num_segments + 1`` int64 row-run bounds.
+addresses; the host launchers also get numpy views of the same tables.
+
+``serial``, ``segments`` and ``num_segments`` are always ``False``, ``0`` and ``0`` from
+:mod:`jaxbuf.fused`: the C stager resolves overlapping writes when the tables are packed
+(later wins, the earlier writes trimmed to their visible pieces), so the writes of one launch
+are pairwise disjoint and run fully parallel, in any order. The arguments remain for the
+kernel's ``SERIAL`` mode (:func:`jaxbuf.kernels.apply_staged_writes`), which applies the
+writes of each row segment in table order; nothing in the apply path asks for it.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def make_launcher(backend: str, device: Device, driver: VmmDriver | None = None)
             segments=0,
             num_segments=0,
         ):
-            # In table order: row-grouped serial tables keep each row's order, so later wins.
+            # The table is resolved (disjoint writes), so the order is moot; serial is unused.
             apply_staged_writes_numpy(wt_np, gt_np, contents, num_writes)
 
         return launch_numpy

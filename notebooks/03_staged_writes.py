@@ -24,8 +24,10 @@
 # launch that reads the write table and the values in place from pinned (UVA) memory.
 # A `FusedStagedWriter` does the same for several tables at once, of different dtypes.
 #
-# For JAX code there is a second path: `jaxbuf.jax_ops.pack_writes` + `apply_staged_writes`
-# inside `jax.jit`, with the array donated so it is updated in place.
+# For JAX code there is the same path inside `jax.jit`: `jaxbuf.jax_ops.StagedWrites` stages
+# on the same C stager, and `apply_staged_writes` applies the writes in the jitted step (the
+# Triton kernel through `jax_triton` on a GPU, an XLA scatter on the CPU), with the array
+# donated so it is updated in place.
 #
 # On the CPU the Triton kernel runs under Triton's interpreter (slow; write counts here are
 # kept small), on CUDA it is compiled.
@@ -48,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxbuf.jax_ops import apply_staged_writes, pack_writes
+from jaxbuf.jax_ops import StagedWrites, apply_staged_writes
 from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor
 
 
@@ -125,9 +127,10 @@ print("JAX row sums:", as_jax.sum(axis=1))
 # %% [markdown]
 # ## Later wins where writes overlap
 #
-# Writes staged before one apply take effect in staging order. The writer detects overlap
-# on the host (a repeated row is the cheap first test) and only then runs the writes in
-# order, still in one launch.
+# Writes staged before one apply take effect in staging order. The C stager indexes the
+# writes by row as they are staged; where two overlap, packing keeps only what the later
+# writes leave visible (the earlier write dropped or split into pieces). The packed writes
+# are disjoint, so the one launch runs them all in parallel, whatever the pattern.
 
 # %%
 table.stage_write(0, 0, [100, 100, 100, 100])
@@ -193,17 +196,21 @@ writer.apply([block_table, scales, biases])
 print("scales row 0 unchanged:", scales.to_torch()[0].cpu().tolist())
 
 # %% [markdown]
-# ## Inside `jax.jit`: `pack_writes` + `apply_staged_writes`, donated
+# ## Inside `jax.jit`: `StagedWrites` + `apply_staged_writes`, donated
 #
 # When the table is a JAX array updated by jitted code, the writes go *into* the
-# computation instead: `pack_writes` packs them on the host into a `PackedWrites` pytree
-# (rows, starts, lengths, offsets, values), and `apply_staged_writes` applies them inside
-# `jit`, with a Pallas kernel that aliases the array to its output. With the array
+# computation. `StagedWrites(num_rows, row_len, dtype)` stages them on the host through the
+# C stager `StagedWriteTensor` uses: `stage_write` for one write, `stage_writes` for a batch
+# (no Python loop per write). `pack()` resolves overlaps, pads the writes into a
+# `PackedWrites` pytree (rows, starts, lengths, offsets, values) and clears the stager for
+# the next step. `apply_staged_writes` applies them inside `jit`; its default method is the
+# Triton staged-write kernel (the torch launcher's kernel body) through `jax_triton` on a GPU,
+# which aliases the array to its output, and an XLA scatter on the CPU. With the array
 # **donated**, XLA reuses its buffer: the update happens in place and the pointer does not
 # change.
 #
-# `pack_writes` rounds the write count and the content length up to powers of two (at
-# least 16), so steps with different numbers of writes share one compiled program.
+# `pack()` rounds the write count and the content length up to powers of two (at least 16),
+# so steps with different numbers of writes share one compiled program.
 
 # %%
 traces = []
@@ -211,23 +218,26 @@ traces = []
 
 def update(array, packed):
     traces.append(packed.rows.shape[0])  # runs only while tracing
-    return apply_staged_writes(array, packed, method="pallas")
+    return apply_staged_writes(array, packed)  # default: Triton on a GPU, scatter on the CPU
 
 
 update = jax.jit(update, donate_argnums=0)
 
+staged = StagedWrites(num_seqs, max_blocks, "int32")
 array = jnp.zeros((num_seqs, max_blocks), jnp.int32)
 expected = np.zeros((num_seqs, max_blocks), np.int32)
 pointer = array.unsafe_buffer_pointer()
 rng = np.random.default_rng(0)
+print("JAX backend:", jax.default_backend())
 for step in range(6):
     n = int(rng.integers(1, 9))  # 1..8 writes: all in the 16-write bucket
     rows = rng.integers(0, num_seqs, n)
     starts = rng.integers(0, max_blocks - 2, n)
-    values = [rng.integers(0, 1000, 2) for _ in range(n)]
+    values = rng.integers(0, 1000, (n, 2), dtype=np.int32)  # one 2-element write per row
+    staged.stage_writes(rows, starts, values)  # one call for the batch; overlaps allowed
     for r, s, v in zip(rows, starts, values):
-        expected[r, s : s + 2] = v  # the host model, later wins
-    packed = pack_writes(rows, starts, values, "int32", shape=(num_seqs, max_blocks))
+        expected[r, s : s + 2] = v  # numpy, in order: later wins
+    packed = staged.pack()
     array = update(array, packed)
     print(
         f"step {step}: {n} writes -> bucket {packed.rows.shape[0]} | "
@@ -236,32 +246,76 @@ for step in range(6):
 print(
     "traced",
     len(traces),
-    "time(s) | matches the host model:",
+    "time(s) | matches numpy:",
     bool((np.asarray(array) == expected).all()),
 )
 
 # %% [markdown]
-# `pack_writes` checks bounds against `shape` (when given) and values against the dtype,
-# on the host, before anything reaches the device:
+# ### Later wins, resolved on the host
+#
+# Overlapping writes resolve as on the torch side. Below, row 0 gets a 6-element write, then
+# two shorter ones over its middle; in one batch, row 1 gets a 6-element write and then one
+# element over it. `pack()` hands the kernel only the visible pieces, pairwise disjoint, so every
+# method gives the in-order result whatever order the writes run in.
 
 # %%
-for args in (([4], [0], [[1]]), ([0], [5], [[1, 2]]), ([0], [0], [[2**40]])):
-    try:
-        pack_writes(*args, "int32", shape=(num_seqs, max_blocks))
-    except (IndexError, ValueError) as error:
-        print(f"{type(error).__name__}: {error}")
+staged.stage_write(0, 0, np.full(6, 100, np.int32))
+staged.stage_write(0, 2, np.array([200, 200], np.int32))  # hides the middle of the first
+staged.stage_write(0, 3, np.array([300], np.int32))  # and this one wins over both
+staged.stage_writes([1, 1], [0, 1], [np.arange(1, 7, dtype=np.int32), np.array([40], np.int32)])
+expected[0, 0:6] = 100
+expected[0, 2:4] = 200
+expected[0, 3] = 300
+expected[1, 0:6] = np.arange(1, 7)
+expected[1, 1] = 40
+
+packed = staged.pack()
+visible = packed.lengths > 0
+print("staged 5 writes; packed (row, start, length):")
+print(list(zip(*(a[visible].tolist() for a in (packed.rows, packed.starts, packed.lengths)))))
+array = update(array, packed)
+print("row 0:", np.asarray(array[0]).tolist(), "| row 1:", np.asarray(array[1]).tolist())
+print("matches numpy:", bool((np.asarray(array) == expected).all()))
 
 # %% [markdown]
-# `method="scatter"` does the same with an XLA scatter (`array.at[...].set`); both give the
-# same result:
+# `StagedWrites` checks every write when it is staged, as `StagedWriteTensor` does (bounds,
+# and values against the dtype), before anything reaches the device; a rejected batch stages
+# none of its writes. (`pack_writes(rows, starts, values_list, dtype, shape=...)` stages and
+# packs one batch in one call.)
 
 # %%
-packed = pack_writes([0, 1], [0, 3], [[1, 2], [3, 4, 5]], "int32")
+for row, start, values in bad_writes:  # the rejected writes of the first section
+    try:
+        staged.stage_write(row, start, values)
+    except (IndexError, ValueError, TypeError) as error:
+        print(f"{type(error).__name__}: {error}")
+try:
+    staged.stage_writes([0, 4], [0, 0], [[1], [2]])  # the second write's row is out of range
+except IndexError as error:
+    print(f"IndexError: {error}")
+print("still staged:", staged.num_staged_writes)
+
+# %% [markdown]
+# One stager, one result: the same overlapping writes staged for torch (a
+# `StagedWriteTensor`, applied by the Triton kernel) and for JAX (applied by the default
+# method, and by `method="scatter"`, the XLA path every platform has) give the same table.
+
+# %%
+writes = [(2, 0, [1, 2, 3, 4, 5]), (2, 1, [6, 7]), (3, 4, [8, 9]), (2, 2, [10])]
+torch_side = StagedWriteTensor((num_seqs, max_blocks), "int32", device=device)
+for row, start, values in writes:
+    torch_side.stage_write(row, start, values)
+    staged.stage_write(row, start, values)
+torch_side.apply_write()
+sync()
+packed = staged.pack()
 zeros = jnp.zeros((num_seqs, max_blocks), jnp.int32)
-via_pallas = jax.jit(lambda a, p: apply_staged_writes(a, p, method="pallas"))(zeros, packed)
+via_default = jax.jit(apply_staged_writes)(zeros, packed)
 via_scatter = jax.jit(lambda a, p: apply_staged_writes(a, p, method="scatter"))(zeros, packed)
-print("pallas == scatter:", bool((via_pallas == via_scatter).all()))
-print(via_scatter)
+from_torch = torch_side.to_torch().cpu().numpy()
+print("torch == JAX default:", bool((np.asarray(via_default) == from_torch).all()))
+print("JAX default == scatter:", bool((via_default == via_scatter).all()))
+print(from_torch)
 
 # %% [markdown]
 # ## Clean up
@@ -273,6 +327,6 @@ print(via_scatter)
 # %%
 del as_jax
 writer.close()
-for t in (table, block_table, scales, biases):
+for t in (table, block_table, scales, biases, torch_side):
     t.free()
 print(table)
