@@ -386,10 +386,17 @@ static PyObject *stager_stage(Stager *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_TRUE;
 }
 
-static int int64_column(PyObject *obj, Py_buffer *view, const char *name) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+/* A buffer's struct format past a '=', '<' or '@' byte-order prefix ("B" when it gives none),
+ * so that numpy's "<q" and memoryview's "q" compare alike. */
+static const char *native_format(const Py_buffer *view) {
     const char *f = view->format ? view->format : "B";
     if (*f == '=' || *f == '<' || *f == '@') f++;
+    return f;
+}
+
+static int int64_column(PyObject *obj, Py_buffer *view, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *f = native_format(view);
     if (view->ndim != 1 || view->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) {
         PyBuffer_Release(view);
         PyErr_Format(PyExc_TypeError, "%s must be a 1-D C-contiguous int64 array", name);
@@ -568,8 +575,7 @@ static PyObject *stager_resolve(Stager *self, PyObject *unused) {
 static int int32_output(PyObject *obj, Py_buffer *view, Py_ssize_t needed, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
         return -1;
-    const char *f = view->format ? view->format : "B";
-    if (*f == '=' || *f == '<' || *f == '@') f++;
+    const char *f = native_format(view);
     if (view->ndim != 1 || view->itemsize != 4 || strcmp(f, "i") || view->shape[0] < needed) {
         PyBuffer_Release(view);
         PyErr_Format(PyExc_ValueError, "%s must be a writable 1-D int32 array of at least %zd",

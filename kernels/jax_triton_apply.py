@@ -12,8 +12,11 @@ differs from the torch one in how a write finds its target, because the torch ke
 pointer tables cannot be expressed through ``jax_triton``: they hold the target's absolute
 address in memory (the group table), and under XLA that address exists only inside the custom
 call at run time, where ``jax_triton`` hands the kernel typed pointers to its operands. So
-:data:`apply_packed_writes_kernel` takes the packed write arrays and the array as operands and
-calls the shared body; its element type is the array's, so no bit-width branches are needed.
+:data:`apply_packed_writes_kernel` takes the packed writes' one buffer
+(:attr:`~jaxbuf.kernels.jax_staged.PackedWrites.buffer`: four int32 columns, then the values'
+bytes) and the array as operands and calls the shared body; it reads the values through a
+pointer of the array's element type, so no bit-width branches are needed, and XLA passes the
+buffer to the kernel as it arrived from the host (no slicing kernels before the call).
 
 The writes are pairwise disjoint (the packer resolves overlaps, later writes winning), so the
 kernel runs one program per write, fully parallel, in any order. Elements that fall outside
@@ -46,9 +49,9 @@ __all__ = [
 
 #: jax_triton 0.3.1 (the release these calls are written against) needs this Triton.
 TRITON_FLOOR = (3, 6)
-#: The operand index of the array among ``triton_call``'s array arguments (rows, starts,
-#: lengths, offsets, values, array), aliased to output 0.
-JAX_TRITON_ALIAS = 5
+#: The operand index of the array among ``triton_call``'s array arguments (the packed buffer,
+#: array), aliased to output 0.
+JAX_TRITON_ALIAS = 1
 _MIN_BLOCK = 32  # one warp, one element per thread
 _MAX_BLOCK = 1024  # longer writes loop inside their program
 # The dtypes jax_triton 0.3.1 maps to Triton pointer types.
@@ -59,22 +62,22 @@ _DTYPES = frozenset(
 
 
 def _apply_packed_writes_kernel(
-    rows,  # *int32 [W]: target row of each write
-    starts,  # *int32 [W]: first column
-    lengths,  # *int32 [W]: elements; padding writes have 0
-    offsets,  # *int32 [W]: element offset of the write's contents in values
-    values,  # *T: the contents, back to back
+    packed,  # *int32: PackedWrites.buffer: rows, starts, lengths, offsets ([W] each), values
     array,  # *T [num_rows, num_cols]: the input, aliased to out (unused: out is written)
     num_rows,  # int: array.shape[0]
     num_cols,  # int: array.shape[1], also the row stride (the array is C-contiguous)
     out,  # *T: the output, the same buffer as array
+    NUM_WRITES: tl.constexpr,  # W, the write bucket (static per bucket, as the grid is)
     BLOCK_SIZE: tl.constexpr,  # elements copied per step
 ):
     write = tl.program_id(0)
-    row = tl.load(rows + write).to(tl.int64)
-    start = tl.load(starts + write).to(tl.int64)
-    length = tl.load(lengths + write).to(tl.int64)
-    offset = tl.load(offsets + write).to(tl.int64)
+    row = tl.load(packed + write).to(tl.int64)  # target row of each write
+    start = tl.load(packed + NUM_WRITES + write).to(tl.int64)  # first column
+    length = tl.load(packed + 2 * NUM_WRITES + write).to(tl.int64)  # 0 for padding writes
+    offset = tl.load(packed + 3 * NUM_WRITES + write).to(tl.int64)  # into values, elements
+    # The contents, back to back from int32 index 4W (byte 16W, aligned for any T): a pointer
+    # cast, as the host's numpy view of the same bytes.
+    values = (packed + 4 * NUM_WRITES).to(out.dtype)
     # Clip the write to its row, dropping what falls outside the array (the scatter path's
     # mode="drop"); a write past the last row or column copies nothing.
     length = tl.where(row < num_rows, tl.minimum(length, num_cols - start), 0)
@@ -168,13 +171,13 @@ def apply_packed_writes(
 ) -> Any:
     """Return ``array`` with ``packed``'s writes applied by the Triton kernel; jit-able.
 
-    ``packed`` has the :class:`~jaxbuf.kernels.jax_staged.PackedWrites` fields (``rows``,
-    ``starts``, ``lengths``, ``offsets`` as int32, ``values`` of the array's dtype) and
-    pairwise-disjoint writes. The array is aliased to the result, so when the caller donates
-    it (``jax.jit(..., donate_argnums=...)``) XLA updates it in place; without donation XLA
-    copies it first. ``block_size`` / ``num_warps`` override :func:`launch_config`. Raises
-    ImportError when ``jax_triton`` cannot run here (see :func:`jax_triton_unavailable_reason`)
-    and TypeError for a dtype Triton has no pointer type for.
+    ``packed`` is a :class:`~jaxbuf.kernels.jax_staged.PackedWrites` of the array's dtype
+    with pairwise-disjoint writes; its one buffer is the kernel's first operand. The array is
+    aliased to the result, so when the caller donates it (``jax.jit(...,
+    donate_argnums=...)``) XLA updates it in place; without donation XLA copies it first.
+    ``block_size`` / ``num_warps`` override :func:`launch_config`. Raises ImportError when
+    ``jax_triton`` cannot run here (see :func:`jax_triton_unavailable_reason`) and TypeError for
+    a dtype Triton has no pointer type for or values of another dtype than the array's.
     """
     import jax
 
@@ -182,24 +185,22 @@ def apply_packed_writes(
         raise TypeError(
             f"method='triton' does not support dtype {array.dtype}; use method='scatter'"
         )
-    num_writes = packed.rows.shape[0]
-    default_block, default_warps = launch_config(num_writes, packed.values.shape[0])
+    num_writes = packed.num_writes
+    default_block, default_warps = launch_config(num_writes, packed.num_values)
     block = default_block if block_size is None else block_size
     if block <= 0 or block & (block - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     warps = default_warps if num_warps is None else num_warps
     if warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of two from 1 to 32, got {num_warps}")
+    if packed.dtype != array.dtype:  # the kernel reads the values as the array's type
+        raise TypeError(f"packed values are {packed.dtype}, array is {array.dtype}")
     jt = load_jax_triton()
     if num_writes == 0 or array.size == 0:
         return array
     num_rows, num_cols = (int(n) for n in array.shape)
     return jt.triton_call(
-        packed.rows,
-        packed.starts,
-        packed.lengths,
-        packed.offsets,
-        packed.values,
+        packed.buffer,
         array,
         num_rows,
         num_cols,
@@ -210,5 +211,6 @@ def apply_packed_writes(
         num_warps=warps,
         num_stages=1,  # no loop to pipeline worth the registers
         name="jaxbuf_apply_staged_writes",
+        NUM_WRITES=num_writes,
         BLOCK_SIZE=block,
     )

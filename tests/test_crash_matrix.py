@@ -281,7 +281,11 @@ done()
 def _readme_jax_example(device: str) -> str:
     examples = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
     first = "# Runs on the CPU" if device == "cpu" else "# Needs a CUDA GPU"
-    found = [e for e in examples if e.startswith(first) and "import jax," in e]
+    found = [
+        e
+        for e in examples
+        if e.startswith(first) and "import jax," in e and ".free()" in e and "donate" in e
+    ]
     assert len(found) == 1, f"expected one JAX example starting {first!r}"
     return found[0]
 

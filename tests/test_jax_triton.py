@@ -276,11 +276,15 @@ def _run_interpreted(array: np.ndarray, packed, block_size: int) -> np.ndarray:
     """The kernel as jax_triton launches it (operands, then scalars, then the aliased output),
     on host memory under the interpreter."""
     target = _torch(array.copy())
-    fields = (packed.rows, packed.starts, packed.lengths, packed.offsets, packed.values)
-    operands = [_torch(np.asarray(field)) for field in fields]
     kernel = jax_triton_apply.interpreted_kernel()
-    kernel[(packed.rows.shape[0],)](
-        *operands, target, array.shape[0], array.shape[1], target, BLOCK_SIZE=block_size
+    kernel[(packed.num_writes,)](
+        _torch(packed.buffer),
+        target,
+        array.shape[0],
+        array.shape[1],
+        target,
+        NUM_WRITES=packed.num_writes,
+        BLOCK_SIZE=block_size,
     )
     if array.dtype == jnp.dtype("bfloat16"):
         import torch
@@ -331,6 +335,7 @@ _LOWER_FOR_CUDA = textwrap.dedent("""
 
     from jaxbuf.jax_ops import pack_writes
     from jaxbuf.kernels import jax_staged
+    from jaxbuf.kernels.jax_triton_apply import JAX_TRITON_ALIAS
 
     jax_staged._platform = lambda array: "gpu"  # lowering for CUDA from a CPU process
     for dtype in ("int32", "bfloat16", "float16", "int8"):
@@ -340,7 +345,8 @@ _LOWER_FOR_CUDA = textwrap.dedent("""
         step = jax.jit(jax_staged.apply_staged_writes, donate_argnums=0)
         text = step.trace(array, packed).lower(lowering_platforms=("cuda",)).as_text()
         call = next(line for line in text.splitlines() if "@triton_kernel_call" in line)
-        assert "output_operand_aliases" in call and "operand_index = 5" in call, call
+        assert "output_operand_aliases" in call, call
+        assert f"operand_index = {JAX_TRITON_ALIAS}" in call, call  # the array
         assert "scatter" not in text, text
         (name, warps, ctas, shared, ptx, ttir, capability), = kernels
         assert name == "_apply_packed_writes_kernel" and capability == 90

@@ -81,13 +81,39 @@ def _row_cells(row: Any) -> list[str]:
     ]
 
 
-def _plot_growth(results: list[dict[str, Any]], path: Path, device: Any) -> bool:
-    """PNG of growth cost against committed size, beside the raw driver calls (the floor),
-    the seed-style buffer and realloc+copy. False: no data."""
+def _pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (files only: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _log_log(axis: Any, xlabel: str, ylabel: str, title: str, *, legend_size: int) -> None:
+    """Label ``axis`` and set it log-log (x in powers of 2), gridded, with a legend."""
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=legend_size)
+
+
+def _save(plt: Any, figure: Any, path: Path) -> None:
+    """Write ``figure`` to ``path`` as PNG (making its folder), then close it."""
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _plot_growth(results: list[dict[str, Any]], path: Path, device: Any) -> bool:
+    """PNG of growth cost against committed size, beside the raw driver calls (the floor),
+    the seed-style buffer and realloc+copy. False: no data."""
+    plt = _pyplot()
 
     from jaxbuf.bench import format_bytes
 
@@ -124,17 +150,14 @@ def _plot_growth(results: list[dict[str, Any]], path: Path, device: Any) -> bool
         for label, points in by_label.items():
             xs = sorted(points)
             axis.plot([x / 2**30 for x in xs], [points[x] for x in xs], marker="o", label=label)
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        axis.set_xlabel("already committed (GiB)")
-        axis.set_ylabel("time per grow (s)")
-        axis.set_title(f"grow by {format_bytes(step)} on {device}")
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+        _log_log(
+            axis,
+            "already committed (GiB)",
+            "time per grow (s)",
+            f"grow by {format_bytes(step)} on {device}",
+            legend_size=8,
+        )
+    _save(plt, figure, path)
     return True
 
 
@@ -155,10 +178,7 @@ def _plot_decode(results: list[dict[str, Any]], path: Path, device: Any) -> bool
     profiles = _decode_series(results)
     if not profiles:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     labels = {
         "jaxbuf": "jaxbuf ExtensibleTensor",
@@ -186,10 +206,7 @@ def _plot_decode(results: list[dict[str, Any]], path: Path, device: Any) -> bool
             axis.set_xlabel("decode step")
             axis.grid(True, which="both", alpha=0.3)
             axis.legend(fontsize=8)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _save(plt, figure, path)
     return True
 
 
@@ -219,10 +236,7 @@ def _plot_staged(results: list[dict[str, Any]], path: Path, device: Any) -> bool
     series = _staged_series(results)
     if not series:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     timings = [t for t in ("host", "end to end") if t in series]
     figure, axes = plt.subplots(1, len(timings), figsize=(7 * len(timings), 5), squeeze=False)
@@ -241,17 +255,14 @@ def _plot_staged(results: list[dict[str, Any]], path: Path, device: Any) -> bool
                 color=colour,
                 label=label,
             )
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        axis.set_xlabel("writes per apply")
-        axis.set_ylabel("time per apply (µs)")
-        axis.set_title(f"staged apply, {timing}, on {device}")
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=7)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+        _log_log(
+            axis,
+            "writes per apply",
+            "time per apply (µs)",
+            f"staged apply, {timing}, on {device}",
+            legend_size=7,
+        )
+    _save(plt, figure, path)
     return True
 
 
