@@ -491,9 +491,7 @@ class StagedWriteTensor:
                 self._writer = None
         finally:
             if allocation is not None:
-                quiesce = getattr(interop, "quiesce", None)
-                if quiesce is not None:
-                    quiesce(self.device)
+                interop.quiesce(self.device)
                 allocation.release()
             self._allocation = None
 

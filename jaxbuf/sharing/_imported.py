@@ -405,11 +405,8 @@ class ImportedBuffer(SegmentedReservation):
 
     def _release_now(self, mappings: _Mappings) -> None:
         # Frameworks may still run work on this memory (JAX's asynchronous dispatch, a
-        # donated step): let it finish before unmapping. getattr: interop.quiesce lands with
-        # ExtensibleTensor's Lifetime (phase 2); call it directly once it is there.
-        quiesce = getattr(interop, "quiesce", None)
-        if quiesce is not None:
-            quiesce(self._device)
+        # donated step): let it finish before unmapping.
+        interop.quiesce(self._device)
         mappings.release()
 
     def __enter__(self) -> ImportedBuffer:

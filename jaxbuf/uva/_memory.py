@@ -123,24 +123,17 @@ class _DeviceMemory:
             self.released = True
 
 
-def _quiesce(device: Device) -> None:
-    """Wait for the work frameworks may still run on ``device``'s memory (a donated JAX
-    step, say: ``jaxbuf.interop.quiesce``) before it is released."""
-    quiesce = getattr(interop, "quiesce", None)  # absent from older trees: nothing to wait for
-    if quiesce is not None:
-        quiesce(device)
-
-
 def _release_now(allocation: Any, device: Device, quiesce: bool) -> None:
     """Release an allocation that no export holds.
 
-    ``quiesce``: first :func:`_quiesce`; False on behalf of the garbage collector (which
-    must not call into a framework) and where the caller has just done it.
+    ``quiesce``: first :func:`jaxbuf.interop.quiesce` (a donated JAX step, say, may still run
+    on the memory); False on behalf of the garbage collector (which must not call into a
+    framework) and where the caller has just done it.
     """
     if allocation.released:
         return
     if quiesce:
-        _quiesce(device)
+        interop.quiesce(device)
     allocation.release()
 
 

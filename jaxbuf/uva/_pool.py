@@ -27,7 +27,7 @@ from ..drivers import get_vmm_driver
 from ..drivers.base import VmmDriver
 from ..dtypes import canonical_dtype
 from ._buffers import NonUvaBuffer, UvaBuffer, _as_shape
-from ._memory import _check_host_bytes, _quiesce, _refuse_copy
+from ._memory import _check_host_bytes, _refuse_copy
 from ._probe import uva_unavailable_reason
 
 _logger = logging.getLogger("jaxbuf.uva")
@@ -463,7 +463,7 @@ class UvaBufferPool:
                 self._driver.event_synchronize(event)
                 self._set_event(index, None)
         if quiesce and self._slots:
-            _quiesce(self.device)  # once for every slot
+            interop.quiesce(self.device)  # once for every slot
         cleanup = Cleanup("UvaBufferPool.close")
         self._slots = [slot for slot in self._slots if not cleanup.run(slot._free, False)]
         cleanup.raise_first()
