@@ -91,6 +91,19 @@ class IntervalSet:
         """Add ``[start, end)``; return the bounds of the merged run now containing it."""
         if start >= end:
             raise ValueError(f"empty or inverted interval [{start}, {end})")
+        starts, ends = self._starts, self._ends
+        if starts and start >= starts[-1]:
+            # At or past the last run's start (a grow appends there): no search, no splice.
+            last_end = ends[-1]
+            if start > last_end:
+                starts.append(start)
+                ends.append(end)
+                self._total += end - start
+                return start, end
+            if end > last_end:
+                ends[-1] = end
+                self._total += end - last_end
+            return starts[-1], ends[-1]
         lo, hi, run_start, run_end = self._merge_span(start, end)
         absorbed = sum(e - s for s, e in zip(self._starts[lo:hi], self._ends[lo:hi]))
         self._starts[lo:hi] = [run_start]

@@ -128,28 +128,30 @@ class VirtualBuffer(Defragmenting):
         All or nothing: on any driver failure the chunks created by this call are
         unmapped and released again, and the original error propagates.
         """
+        reserved = self.reserved_size
         for start, end in ranges:
-            if not 0 <= start <= end <= self.reserved_size:
+            if not 0 <= start <= end <= reserved:
                 raise ValueError(
-                    f"range [{start}, {end}) is outside the reservation of "
-                    f"{self.reserved_size} bytes"
+                    f"range [{start}, {end}) is outside the reservation of {reserved} bytes"
                 )
-        self._check_alive()
+        if self._released:
+            self._check_alive()  # raises, naming the owner
         if self._stranded is not None:
             raise RuntimeError(f"cannot commit: {self._stranded}; call release_physical() first")
         granularity = self.granularity
         new_chunks: list[tuple[int, int, Any]] = []
+        gaps, commit_gap = self._committed.gaps, self._commit_gap
         self._driver.ensure_context(self.device_index)
         try:
             for start, end in ranges:
                 if start == end:
                     continue
-                first = start // granularity * granularity
-                last = round_up(end, granularity)
-                # Ranges of neighbouring segments may share a granule; gaps are taken
-                # against the runs recorded so far, so a shared granule is mapped once.
-                for gap_start, gap_end in self._committed.gaps(first, last):
-                    new_chunks.append(self._commit_gap(gap_start, gap_end))
+                # Whole granules. Ranges of neighbouring segments may share one; gaps are
+                # taken against the runs recorded so far, so a shared granule is mapped once.
+                first = start - start % granularity
+                last = -(-end // granularity) * granularity
+                for gap_start, gap_end in gaps(first, last):
+                    new_chunks.append(commit_gap(gap_start, gap_end))
         except BaseException as error:
             for chunk in reversed(new_chunks):
                 self._rollback_chunk(chunk, error)
@@ -193,10 +195,16 @@ class VirtualBuffer(Defragmenting):
         return [(o, n, h, self._chunk_ids[o]) for o, n, h in self._chunks]
 
     def _insert_chunk(self, chunk: tuple[int, int, Any]) -> None:
-        self._chunk_ids[chunk[0]] = next(self._chunk_id_counter)
-        i = bisect_left(self._chunk_offsets, chunk[0])
-        self._chunk_offsets.insert(i, chunk[0])
-        self._chunks.insert(i, chunk)
+        offset = chunk[0]
+        self._chunk_ids[offset] = next(self._chunk_id_counter)
+        offsets = self._chunk_offsets
+        if not offsets or offset > offsets[-1]:  # a grow appends: no search, no splice
+            offsets.append(offset)
+            self._chunks.append(chunk)
+        else:
+            i = bisect_left(offsets, offset)
+            offsets.insert(i, offset)
+            self._chunks.insert(i, chunk)
         self._physical_bytes += chunk[1]
 
     def _remove_chunk(self, offset: int) -> None:

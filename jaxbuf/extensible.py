@@ -310,8 +310,10 @@ class ExtensibleTensor(SegmentedReservation):
     # -- growing --------------------------------------------------------------------
     def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> None:
         """Grow every segment's committed prefix to ``bytes_per_segment``."""
-        size = _as_size(bytes_per_segment, "bytes_per_segment")
-        self.resize_segments_([size] * self.num_segments, zero_new)
+        size = bytes_per_segment
+        if type(size) is not int or size < 0:  # exact ints, the hot path, skip the checks
+            size = _as_size(size, "bytes_per_segment")
+        self._grow([size] * self.num_segments, zero_new)
 
     def resize_segments_(self, sizes: Sequence[int], zero_new: bool = False) -> None:
         """Grow each segment's committed prefix to ``sizes[i]`` bytes.
@@ -325,7 +327,10 @@ class ExtensibleTensor(SegmentedReservation):
         leaves the new memory committed (mapped and accessible) but unclaimed, so a
         retry only zeroes.
         """
-        new_sizes = _as_size_list(sizes, "sizes")
+        self._grow(_as_size_list(sizes, "sizes"), zero_new)
+
+    def _grow(self, new_sizes: list[int], zero_new: bool) -> None:
+        """:meth:`resize_segments_` once ``new_sizes`` are known to be non-negative ints."""
         if len(new_sizes) != self.num_segments:
             raise ValueError(f"expected {self.num_segments} sizes, got {len(new_sizes)}")
         for old, new, capacity in zip(self._committed, new_sizes, self._segment_capacities):

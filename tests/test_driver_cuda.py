@@ -395,3 +395,72 @@ def test_the_binding_is_held_per_instance():
     driver.map(0x1000, 4096, 7)
     assert mapped == [(0x1000, 4096, 0, 7, 0)]
     assert CudaVmmDriver()._cu is cuda_driver._cu is cu
+
+
+def _event_binding(monkeypatch, record_error=None):
+    """A stand-in binding whose events are numbered; returns (cu, log of calls)."""
+    log = {"created": [], "destroyed": [], "recorded": []}
+    counter = iter(range(0x100, 0x10000))
+
+    def create(flags):
+        event = cu.CUevent(next(counter))
+        log["created"].append(int(event))
+        return cu.CUresult.CUDA_SUCCESS, event
+
+    def record(event, stream):
+        log["recorded"].append((int(event), int(stream)))
+        return ((record_error or cu.CUresult.CUDA_SUCCESS),)
+
+    cu = _stand_in_binding(
+        monkeypatch,
+        cuCtxGetCurrent=lambda: (cu.CUresult.CUDA_SUCCESS, cu.CUcontext(0x1234)),
+        cuEventCreate=create,
+        cuEventRecord=record,
+        cuEventDestroy=lambda event: (
+            log["destroyed"].append(int(event)),
+            (cu.CUresult.CUDA_SUCCESS,),
+        )[1],
+    )
+    return cu, log
+
+
+def test_record_event_reuses_given_back_events(monkeypatch):
+    # An apply records one event per launch: given-back events are recorded again instead of
+    # being destroyed and created anew, per device (an event belongs to its context).
+    cu, log = _event_binding(monkeypatch)
+    driver = _driver_with_context(cu)
+    first = driver.record_event(1, 0)
+    driver.destroy_event(first)
+    second = driver.record_event(0x7F00, 0)
+    assert int(second) == int(first) and log["created"] == [int(first)]
+    assert log["destroyed"] == []
+    assert log["recorded"] == [(int(first), int(cu.CU_STREAM_LEGACY)), (int(first), 0x7F00)]
+    # Two live events are two events; both come back and are reused, never shared.
+    third = driver.record_event(1, 0)
+    assert int(third) != int(second) and len(log["created"]) == 2
+    for event in (second, third):
+        driver.destroy_event(event)
+    again = {int(driver.record_event(1, 0)), int(driver.record_event(1, 0))}
+    assert again == {int(second), int(third)} and len(log["created"]) == 2
+
+
+def test_spare_events_are_bounded(monkeypatch):
+    cu, log = _event_binding(monkeypatch)
+    driver = _driver_with_context(cu)
+    events = [driver.record_event(1, 0) for _ in range(cuda_driver.MAX_SPARE_EVENTS + 3)]
+    for event in events:
+        driver.destroy_event(event)
+    assert len(log["destroyed"]) == 3  # beyond the bound they are destroyed
+    assert len(driver._spare_events[0]) == cuda_driver.MAX_SPARE_EVENTS
+
+
+def test_record_event_failure_reports_and_keeps_the_event(monkeypatch):
+    real = pytest.importorskip("cuda.bindings.driver")
+    cu, log = _event_binding(monkeypatch, record_error=real.CUresult.CUDA_ERROR_INVALID_HANDLE)
+    driver = _driver_with_context(cu)
+    with pytest.raises(DriverError, match="cuEventRecord.*CUDA_ERROR_INVALID_HANDLE"):
+        driver.record_event(1, 0)
+    assert len(driver._spare_events[0]) == 1  # not leaked: the next record reuses it
+    for bad in (0, -1, None, "1"):
+        with pytest.raises(ValueError):
+            driver.record_event(bad, 0)

@@ -61,6 +61,10 @@ def _is_wsl() -> bool:
         return False
 
 
+#: Events a driver keeps per device for reuse (see :meth:`CudaVmmDriver.destroy_event`).
+MAX_SPARE_EVENTS = 64
+
+
 class CudaVmmDriver(VmmDriver):
     """CUDA virtual memory management through ``cuda.bindings.driver``.
 
@@ -116,6 +120,13 @@ class CudaVmmDriver(VmmDriver):
         # host pointer -> device index of host_alloc, so host_free can pick the context.
         self._host_devices: dict[int, int] = {}
         self._confidential_computing_reason: Any = self._UNPROBED
+        # Events given back by destroy_event, per device (an event belongs to its context),
+        # for record_event to reuse: cuEventCreate + cuEventDestroy cost as much as the
+        # record itself, and every staged apply records one. int(event) -> device index.
+        self._spare_events: dict[int, list[Any]] = {}
+        self._event_devices: dict[int, int] = {}
+        # DLPack stream number -> CUstream, built once per stream (an apply records on one).
+        self._stream_handles: dict[int, Any] = {}
 
     # -- results -----------------------------------------------------------------------
     def _error_name(self, error: Any) -> str:
@@ -484,25 +495,48 @@ class CudaVmmDriver(VmmDriver):
         )
 
     def destroy_event(self, event: Any) -> None:
+        """Give back an event from :meth:`record_event`: kept (up to
+        :data:`MAX_SPARE_EVENTS` per device) for the next record, else destroyed. Nobody
+        holds it any more, so recording it again later changes nothing anyone waits on."""
+        spare = self._spare_events.get(self._event_devices.get(int(event), -1))
+        if spare is not None and len(spare) < MAX_SPARE_EVENTS:
+            spare.append(event)
+            return
+        self._event_devices.pop(int(event), None)
         self._check(self._cu.cuEventDestroy(event), "cuEventDestroy")
 
     def record_event(self, stream: int, device_index: int) -> Any:
         """A ``CUevent`` (timing disabled) recorded on the consumer ``stream`` (a DLPack
-        stream number, as in :meth:`stream_wait_event`). The caller destroys it."""
+        stream number, as in :meth:`stream_wait_event`). The caller gives it back with
+        :meth:`destroy_event`."""
         if not isinstance(stream, int) or stream <= 0:
             raise ValueError(f"invalid CUDA stream {stream!r}: expected 1, 2 or a stream handle")
-        handle = self._cu.CUstream(self._dlpack_streams.get(stream, stream))
+        handle = self._stream_handles.get(stream)
+        if handle is None:
+            handle = self._cu.CUstream(self._dlpack_streams.get(stream, stream))
+            if len(self._stream_handles) >= MAX_SPARE_EVENTS:
+                self._stream_handles.clear()
+            self._stream_handles[stream] = handle
         self.ensure_context(device_index)
+        spare = self._spare_events.get(device_index)
+        try:
+            event = spare.pop()  # type: ignore[union-attr]
+        except (AttributeError, IndexError):  # no spare list yet, or none spare
+            event = self._new_event(device_index)
+        (error,) = self._cu.cuEventRecord(event, handle)
+        if error != self._success:
+            self.destroy_event(event)  # back to the spares; the record error is reported
+            self._check((error,), "cuEventRecord", stream=hex(stream))
+        return event
+
+    def _new_event(self, device_index: int) -> Any:
         event = self._check(
             self._cu.cuEventCreate(self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
             "cuEventCreate",
             device=device_index,
         )
-        try:
-            self._check(self._cu.cuEventRecord(event, handle), "cuEventRecord", stream=hex(stream))
-        except DriverError:
-            self._cu.cuEventDestroy(event)  # the record error is the one to report
-            raise
+        self._event_devices[int(event)] = device_index
+        self._spare_events.setdefault(device_index, [])
         return event
 
     def event_query(self, event: Any) -> bool:

@@ -8,6 +8,7 @@ the process has already imported it.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,12 @@ class TorchAdapter(Adapter):
         self._from_capsule: Any = None
         self._raw_stream: Any = None
         self._dtypes: dict[str, Any] = {}
+        # A forked child cannot use the parent's CUDA (torch then reports it uninitialised):
+        # forget the getter, so the child asks torch again.
+        os.register_at_fork(after_in_child=self._forget_stream_getter)
+
+    def _forget_stream_getter(self) -> None:
+        self._raw_stream = None
 
     @staticmethod
     def _torch() -> Any:
@@ -122,10 +129,13 @@ class TorchAdapter(Adapter):
 
     def current_stream(self, device: Any) -> int | None:
         """torch's current stream on a CUDA ``device``, once torch has initialised CUDA."""
+        raw_stream = self._raw_stream
+        if raw_stream is not None and device.is_cuda:
+            # Set once torch had initialised CUDA, which it never undoes: the apply path.
+            return raw_stream(device.index) or DLPACK_LEGACY_STREAM
         torch = loaded_module("torch")
         if torch is None or not device.is_cuda or not torch.cuda.is_initialized():
             return None
-        raw_stream = self._raw_stream
         if raw_stream is None:
             # The raw getter skips building a torch.cuda.Stream (microseconds on the apply
             # path); current_stream().cuda_stream is the public way.
