@@ -14,6 +14,7 @@ import types
 import pytest
 
 from jaxbuf.drivers import cuda as cuda_driver
+from jaxbuf.drivers._cuda_streams import MAX_SPARE_EVENTS
 from jaxbuf.drivers.base import K_DL_CUDA, K_DL_CUDA_HOST, DriverError
 from jaxbuf.drivers.cuda import CudaVmmDriver
 
@@ -447,11 +448,11 @@ def test_record_event_reuses_given_back_events(monkeypatch):
 def test_spare_events_are_bounded(monkeypatch):
     cu, log = _event_binding(monkeypatch)
     driver = _driver_with_context(cu)
-    events = [driver.record_event(1, 0) for _ in range(cuda_driver.MAX_SPARE_EVENTS + 3)]
+    events = [driver.record_event(1, 0) for _ in range(MAX_SPARE_EVENTS + 3)]
     for event in events:
         driver.destroy_event(event)
     assert len(log["destroyed"]) == 3  # beyond the bound they are destroyed
-    assert len(driver._spare_events[0]) == cuda_driver.MAX_SPARE_EVENTS
+    assert len(driver._spare_events[0]) == MAX_SPARE_EVENTS
 
 
 def test_record_event_failure_reports_and_keeps_the_event(monkeypatch):

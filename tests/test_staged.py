@@ -302,6 +302,37 @@ def test_overlapping_writes_later_wins_200_trials_on_gpu(cleanup):
         _overlap_trial(rng, swt, swt.apply_write, num_writes=64, rows=2 if trial % 2 else 64)
 
 
+@pytest.mark.gpu
+def test_large_applies_read_a_device_copy_and_match_the_model(cleanup):
+    """Applies that pack at least DEVICE_COPY_MIN_BYTES are copied to device memory on the
+    launch stream first; the result is the same later-wins result, slot reuse included."""
+    from jaxbuf.fused import DEVICE_COPY_MIN_BYTES
+
+    rng = np.random.default_rng(11)
+    shape = (256, 1024)
+    tables = [StagedWriteTensor(shape, "int32", "cuda") for _ in range(2)]
+    for table in tables:
+        cleanup(table.free)
+    writer = FusedStagedWriter("cuda", max_writes=64, max_concurrency=2)
+    cleanup(writer.close)
+    models = [np.zeros(shape, np.int32) for _ in tables]
+    for round_ in range(6):
+        large = round_ % 2 == 0  # small and large applies alternate over the two slots
+        for table, model in zip(tables, models):
+            for _ in range(1500 if large else 20):
+                row, start = int(rng.integers(0, 8)), int(rng.integers(0, 1000))
+                values = rng.integers(-(2**31), 2**31, int(rng.integers(1, 24)), dtype=np.int64)
+                values = values.astype(np.int32)[: shape[1] - start]
+                table.stage_write(row, start, values)
+                model[row, start : start + len(values)] = values
+        writer.apply(tables)
+        copied = [slot.device_copy is not None for slot in writer._slots]
+        assert any(copied) or not large
+        for table, model in zip(tables, models):
+            np.testing.assert_array_equal(table.to_torch().cpu().numpy(), model)
+    assert max(slot.capacity for slot in writer._slots) >= DEVICE_COPY_MIN_BYTES
+
+
 def test_overlaps_resolved_before_a_parallel_launch(packer, cleanup, monkeypatch):
     """Overlapping writes are resolved when packed (the earlier one trimmed to what stays
     visible), so every launch is the parallel one and its table has no overlap."""

@@ -241,6 +241,13 @@ class VmmDriver(abc.ABC):
     def event_synchronize(self, event: Any) -> None:
         """Block the calling thread until the work before ``event`` is done."""
 
+    def copy_on_stream(self, dst: int, src: int, size: int, stream: Any) -> None:
+        """Enqueue a copy of ``size`` bytes on ``stream`` (a raw stream handle, 0 the legacy
+        default stream, as :meth:`launch_kernel` takes it), in the calling thread's current
+        context: the copy a launch on that stream reads from. The default raises
+        ``NotImplementedError``: a platform without streams (the CPU)."""
+        raise NotImplementedError(f"{type(self).__name__} has no streams to copy on")
+
     # -- kernels --------------------------------------------------------------------
     def launch_kernel(
         self,

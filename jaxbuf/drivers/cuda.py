@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from jaxbuf.drivers._cuda_streams import CudaStreamWork
 from jaxbuf.drivers.base import (
     K_DL_CUDA,
     K_DL_CUDA_HOST,
@@ -61,11 +62,7 @@ def _is_wsl() -> bool:
         return False
 
 
-#: Events a driver keeps per device for reuse (see :meth:`CudaVmmDriver.destroy_event`).
-MAX_SPARE_EVENTS = 64
-
-
-class CudaVmmDriver(VmmDriver):
+class CudaVmmDriver(CudaStreamWork, VmmDriver):
     """CUDA virtual memory management through ``cuda.bindings.driver``.
 
     Invariants:
@@ -120,13 +117,7 @@ class CudaVmmDriver(VmmDriver):
         # host pointer -> device index of host_alloc, so host_free can pick the context.
         self._host_devices: dict[int, int] = {}
         self._confidential_computing_reason: Any = self._UNPROBED
-        # Events given back by destroy_event, per device (an event belongs to its context),
-        # for record_event to reuse: cuEventCreate + cuEventDestroy cost as much as the
-        # record itself, and every staged apply records one. int(event) -> device index.
-        self._spare_events: dict[int, list[Any]] = {}
-        self._event_devices: dict[int, int] = {}
-        # DLPack stream number -> CUstream, built once per stream (an apply records on one).
-        self._stream_handles: dict[int, Any] = {}
+        self._init_stream_work()
 
     # -- results -----------------------------------------------------------------------
     def _error_name(self, error: Any) -> str:
@@ -437,126 +428,6 @@ class CudaVmmDriver(VmmDriver):
             )
             self._peer_access[key] = allowed
         return allowed
-
-    # -- work on the memory ---------------------------------------------------------
-    def memset(self, ptr: int, value: int, size: int, device_index: int) -> None:
-        """``cuMemsetD8Async`` on the legacy default stream."""
-        self.ensure_context(device_index)
-        self._check(
-            self._cu.cuMemsetD8Async(ptr, value, size, self._producer_stream),
-            "cuMemsetD8Async",
-            ptr=hex(ptr),
-            value=value,
-            size=size,
-            device=device_index,
-        )
-
-    def copy(self, dst: int, src: int, size: int, device_index: int) -> None:
-        """``cuMemcpyAsync`` on the legacy default stream (unified addressing: any two
-        device or mapped-host pointers)."""
-        self.ensure_context(device_index)
-        self._check(
-            self._cu.cuMemcpyAsync(dst, src, size, self._producer_stream),
-            "cuMemcpyAsync",
-            dst=hex(dst),
-            src=hex(src),
-            size=size,
-            device=device_index,
-        )
-
-    def synchronize(self, device_index: int) -> None:
-        self.ensure_context(device_index)
-        self._check(self._cu.cuCtxSynchronize(), "cuCtxSynchronize", device=device_index)
-
-    def memory_info(self, device_index: int) -> tuple[int, int]:
-        """``cuMemGetInfo``: ``(free_bytes, total_bytes)`` of ``device_index``."""
-        self.ensure_context(device_index)
-        free, total = self._check(self._cu.cuMemGetInfo(), "cuMemGetInfo", device=device_index)
-        return int(free), int(total)
-
-    def stream_wait_event(self, stream: int, event: Any, device_index: int) -> None:
-        """Make the consumer ``stream`` wait for ``event``.
-
-        ``stream`` is a DLPack stream number: 1 the legacy default stream, 2 the
-        per-thread default stream, else a ``CUstream`` address. 0 is ambiguous for CUDA
-        and is refused, as DLPack says.
-        """
-        if not isinstance(stream, int) or stream <= 0:
-            raise ValueError(
-                f"invalid CUDA stream {stream!r} for DLPack: expected 1, 2 or a stream handle"
-            )
-        handle = self._cu.CUstream(self._dlpack_streams.get(stream, stream))
-        self.ensure_context(device_index)
-        self._check(
-            self._cu.cuStreamWaitEvent(handle, event, 0),
-            "cuStreamWaitEvent",
-            stream=hex(stream),
-            device=device_index,
-        )
-
-    def destroy_event(self, event: Any) -> None:
-        """Give back an event from :meth:`record_event`: kept (up to
-        :data:`MAX_SPARE_EVENTS` per device) for the next record, else destroyed. Nobody
-        holds it any more, so recording it again later changes nothing anyone waits on."""
-        spare = self._spare_events.get(self._event_devices.get(int(event), -1))
-        if spare is not None and len(spare) < MAX_SPARE_EVENTS:
-            spare.append(event)
-            return
-        self._event_devices.pop(int(event), None)
-        self._check(self._cu.cuEventDestroy(event), "cuEventDestroy")
-
-    def record_event(self, stream: int, device_index: int) -> Any:
-        """A ``CUevent`` (timing disabled) recorded on the consumer ``stream`` (a DLPack
-        stream number, as in :meth:`stream_wait_event`). The caller gives it back with
-        :meth:`destroy_event`."""
-        if not isinstance(stream, int) or stream <= 0:
-            raise ValueError(f"invalid CUDA stream {stream!r}: expected 1, 2 or a stream handle")
-        handle = self._stream_handles.get(stream)
-        if handle is None:
-            handle = self._cu.CUstream(self._dlpack_streams.get(stream, stream))
-            if len(self._stream_handles) >= MAX_SPARE_EVENTS:
-                self._stream_handles.clear()
-            self._stream_handles[stream] = handle
-        self.ensure_context(device_index)
-        spare = self._spare_events.get(device_index)
-        try:
-            event = spare.pop()  # type: ignore[union-attr]
-        except (AttributeError, IndexError):  # no spare list yet, or none spare
-            event = self._new_event(device_index)
-        (error,) = self._cu.cuEventRecord(event, handle)
-        if error != self._success:
-            self.destroy_event(event)  # back to the spares; the record error is reported
-            self._check((error,), "cuEventRecord", stream=hex(stream))
-        return event
-
-    def _new_event(self, device_index: int) -> Any:
-        event = self._check(
-            self._cu.cuEventCreate(self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
-            "cuEventCreate",
-            device=device_index,
-        )
-        self._event_devices[int(event)] = device_index
-        self._spare_events.setdefault(device_index, [])
-        return event
-
-    def event_query(self, event: Any) -> bool:
-        """``cuEventQuery``: True when done, False while ``CUDA_ERROR_NOT_READY``."""
-        (error,) = self._cu.cuEventQuery(event)
-        if error == self._success:
-            return True
-        if error == self._cu.CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        raise DriverError("cuEventQuery", self._error_name(error))
-
-    def event_synchronize(self, event: Any) -> None:
-        self._check(self._cu.cuEventSynchronize(event), "cuEventSynchronize")
-
-    # -- kernels --------------------------------------------------------------------
-    def launch_kernel(self, function, grid, block, shared, stream, args) -> None:
-        """``cuLaunchKernel`` (``kernelParams=args``) in the current context: the hot path."""
-        result = self._cu.cuLaunchKernel(function, *grid, *block, shared, stream, args, 0)
-        if result[0] != self._success:
-            self._check(result, "cuLaunchKernel", grid=grid, block=block, stream=stream)
 
     # -- pinned host memory ---------------------------------------------------------
     def host_alloc(self, size: int, device_index: int) -> tuple[int, int]:
