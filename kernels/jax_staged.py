@@ -186,8 +186,13 @@ def _allocate(num_writes: int, num_values: int, dtype: np.dtype) -> PackedWrites
     """A PackedWrites over a fresh, uninitialised buffer for these buckets. Fresh each time: a
     buffer handed to ``jit`` may still be in flight to the device, so none is reused."""
     _register_pytree()
-    words = 4 * num_writes + -(-num_values * dtype.itemsize // 4)
+    words = _packed_words(num_writes, num_values, dtype)
     return PackedWrites._wrap(np.empty(words, np.int32), num_writes, num_values, dtype)
+
+
+def _packed_words(num_writes: int, num_values: int, dtype: np.dtype) -> int:
+    """The int32 length of a PackedWrites buffer for these buckets (see its layout)."""
+    return 4 * num_writes + -(-num_values * dtype.itemsize // 4)
 
 
 def _bitcast_words(words: Any, dtype: np.dtype, count: int) -> Any:
@@ -467,9 +472,24 @@ class StagedWrites:
         )
 
     # -- packing -----------------------------------------------------------------------------
-    def pack(self, *, clear: bool = True) -> PackedWrites:
+    def pack(self, *, clear: bool = True, ring: Any = None) -> PackedWrites:
         """The staged writes, resolved (later wins) and padded to buckets, as
-        :class:`PackedWrites`; then, unless ``clear=False``, nothing is staged any more."""
+        :class:`PackedWrites`; then, unless ``clear=False``, nothing is staged any more.
+
+        ``ring``: a :class:`~jaxbuf.kernels.jax_ring.PackRing` to pack into its next pinned
+        slot, so the jitted apply reads the writes in place (no host-to-device transfer per
+        call); same as ``ring.pack(self, clear=clear)``. Default: a fresh numpy buffer."""
+        if ring is not None:
+            pack_into = getattr(ring, "pack", None)
+            if pack_into is None or not hasattr(ring, "consumed_by"):
+                raise TypeError(f"ring must be a PackRing, got {ring!r}")
+            return pack_into(self, clear=clear)
+        return self._pack_into(_allocate, clear)
+
+    def _pack_into(self, allocate: Any, clear: bool) -> PackedWrites:
+        """:meth:`pack` into ``allocate(num_writes, num_values, dtype)``: a PackedWrites over a
+        host (numpy) int32 buffer of exactly the packed length, uninitialised. A failing
+        ``allocate`` leaves the staged writes as they were."""
         staging = self._staging
         stager = staging.stager
         if stager is not None:
@@ -481,8 +501,9 @@ class StagedWrites:
         content_bucket = bucket_size(total, self.min_content_bucket) + PALLAS_BLOCK_SIZE
         if content_bucket >= _DROPPED_INDEX:
             raise ValueError(f"{total} staged elements exceed the int32 index range")
-        packed = _allocate(write_bucket, content_bucket, self._np_dtype)
-        # Everything is written in place into the one buffer that jit will transfer.
+        packed = allocate(write_bucket, content_bucket, self._np_dtype)
+        # Everything is written in place into the one buffer that jit will transfer (or, with
+        # a ring, read in place).
         columns = packed._buffer[: 4 * write_bucket].reshape(4, write_bucket)
         value_bytes = packed._buffer[4 * write_bucket :].view(np.uint8)
         if stager is not None:
@@ -538,6 +559,7 @@ def pack_writes(
     shape: tuple[int, int] | None = None,
     min_write_bucket: int = MIN_BUCKET,
     min_content_bucket: int = MIN_BUCKET,
+    ring: Any = None,
 ) -> PackedWrites:
     """Pack row writes for :func:`apply_staged_writes`: a :class:`StagedWrites` of one batch.
 
@@ -547,7 +569,8 @@ def pack_writes(
     are dropped at apply time (ValueError past the int32 index range). Where writes overlap, the
     later one wins. Raising the ``min_*_bucket`` floors to a loop's largest step keeps every
     step on one compiled shape. A loop that stages as it goes saves the batch's lists by using
-    :class:`StagedWrites` directly.
+    :class:`StagedWrites` directly. ``ring``: pack into a
+    :class:`~jaxbuf.kernels.jax_ring.PackRing`'s pinned slot (see :meth:`StagedWrites.pack`).
     """
     if shape is None:
         num_rows = row_len = _DROPPED_INDEX - 1
@@ -562,7 +585,7 @@ def pack_writes(
     )
     staged._shape_known = shape is not None
     staged.stage_writes(rows, starts, values_list)
-    return staged.pack()
+    return staged.pack(ring=ring)
 
 
 def _pallas_kernel(rows_ref, starts_ref, lengths_ref, offsets_ref, values_ref, array_ref, out_ref):

@@ -5,10 +5,15 @@ array, at 256 and 4,096 writes, from the same Python inputs (lists of rows and s
 of numpy arrays), against what a plain JAX user writes: the indices built in numpy and
 ``a.at[rows, cols].set(values)`` in a jitted, donated function. Rows:
 
-* end to end: :func:`jaxbuf.jax_ops.pack_writes` + the jitted apply
-  (:func:`jaxbuf.jax_ops.apply_staged_writes`, donated) + ``block_until_ready``, against the
-  numpy index build + the jitted scatter + ``block_until_ready``; the issue's targets: at most
-  1.0x plain JAX's time at 256 writes, at most 0.5x at 4,096;
+* end to end, the library's fast path: :func:`jaxbuf.jax_ops.pack_writes` into a
+  :class:`jaxbuf.jax_ops.PackRing` (pinned slots the apply reads in place, imported into JAX
+  once) + :meth:`~jaxbuf.jax_ops.PackRing.apply` (a cached jitted, donated apply) +
+  ``block_until_ready``, against the numpy index build + the jitted scatter +
+  ``block_until_ready``; the issue's targets: at most 1.0x plain JAX's time at 256 writes, at
+  most 0.5x at 4,096;
+* end to end with a fresh numpy buffer per pack instead (one host-to-device transfer per
+  call): :func:`~jaxbuf.jax_ops.pack_writes` + the jitted apply
+  (:func:`jaxbuf.jax_ops.apply_staged_writes`, donated), for each method;
 * the host part alone: packing against the numpy index build;
 * the jitted call alone, its inputs already on the device: the device's work plus one dispatch
   (JAX runs on its own stream, so CUDA events on another stream would not time it);
@@ -90,7 +95,7 @@ def _device_methods(device: Any) -> list[str]:
 def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
     import jax
 
-    from jaxbuf.jax_ops import apply_staged_writes, pack_writes
+    from jaxbuf.jax_ops import PackRing, apply_staged_writes, pack_writes
 
     repeat = 5 if quick else (30 if num_writes <= 256 else 15)
     loop = 5 if quick else 50  # applies per call in the device-time rows
@@ -161,7 +166,37 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
 
     name = f"{num_writes:,} writes"
     factor = _TARGETS.get(num_writes)
-    for i, (label, kwargs) in enumerate(_methods(device)):
+    label, kwargs = _methods(device)[0]  # the library's default method
+    with PackRing(device=device) as ring:
+
+        def ring_step(array: Any, packed: Any) -> Any:
+            return ring.apply(array, packed, **kwargs)
+
+        def ring_pack() -> tuple[Any]:
+            return (pack_writes(rows, starts, values, "int32", shape=_SHAPE, ring=ring),)
+
+        ring_s, ring_array = end_to_end(ring_step, ring_pack)
+        _check(ring_array[0], expected)
+        del ring_array
+    row = Row(
+        f"pack into the pinned ring + apply {name}, end to end ({label})",
+        ring_s,
+        f"{_PLAIN}, end to end",
+        plain_s,
+        notes="PackRing: the apply reads the packed writes in place; both wait for the array "
+        "(block_until_ready); donated",
+        params={
+            "num_writes": num_writes,
+            "kind": "jax-staged-end-to-end",
+            "method": label,
+            "path": "pinned ring",
+        },
+    )
+    if factor is not None:  # the target, for the library's fast path
+        row.target = f"<= {factor:g}x plain JAX"
+        row.met = ring_s <= factor * plain_s
+    yield row
+    for label, kwargs in _methods(device):
         step = jax.jit(
             lambda a, p, kwargs=kwargs: apply_staged_writes(a, p, **kwargs), donate_argnums=0
         )
@@ -169,18 +204,20 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         _check(jaxbuf_array[0], expected)
         del jaxbuf_array
         device_s = inputs_on_device(step, (pack(),))
-        row = Row(
+        yield Row(
             f"pack_writes + apply {name}, end to end ({label})",
             jaxbuf_s,
             f"{_PLAIN}, end to end",
             plain_s,
-            notes="both wait for the array (block_until_ready); donated",
-            params={"num_writes": num_writes, "kind": "jax-staged-end-to-end", "method": label},
+            notes="a fresh numpy buffer per pack, transferred by each call; both wait for the "
+            "array (block_until_ready); donated",
+            params={
+                "num_writes": num_writes,
+                "kind": "jax-staged-end-to-end",
+                "method": label,
+                "path": "numpy buffer",
+            },
         )
-        if factor is not None and i == 0:  # the target, for the method users get
-            row.target = f"<= {factor:g}x plain JAX"
-            row.met = jaxbuf_s <= factor * plain_s
-        yield row
         yield Row(
             f"jitted apply {name}, inputs on the device ({label})",
             device_s,

@@ -1,0 +1,327 @@
+"""Packed writes read in place from pinned memory: :class:`PackRing`, the JAX fast path.
+
+A :class:`~jaxbuf.kernels.jax_staged.PackedWrites` over a numpy buffer costs a host-to-device
+transfer on every jitted call (110-180 µs fixed on an H200, whatever its size). A
+:class:`PackRing` packs instead into one of ``max_concurrency`` pinned slots
+(:class:`~jaxbuf.uva.UvaBuffer`, which the device reads over the bus) whose device memory was
+imported into JAX once (zero-copy, cached per packed length), and hands that JAX array to
+``jit`` as the PackedWrites' leaf: the kernel reads the writes where the host put them.
+
+Safety: a slot is rewritten only once nothing that may read it can still run. The ring
+remembers, per slot, a *guard*: an output of the computation that read it (:meth:`apply`
+records its own; :meth:`consumed_by` records one of the caller's step). Before a slot comes
+round again the ring waits for its guard (``block_until_ready``, usually done already); a slot
+whose reader was not recorded, or whose guard was donated meanwhile, costs a full wait
+instead: every framework's pending work on the device (:func:`jaxbuf.interop.quiesce`) and
+then the device itself (the driver's ``synchronize``, which on CUDA also waits for JAX's
+streams). So the default is safe, and the recorded guard is the fast path.
+
+The cached JAX arrays are jit inputs only: JAX caches an array's host value on
+``np.asarray``, so reading a ring PackedWrites' leaf on the host would return a stale slot
+later. Inspect a pack with :meth:`~jaxbuf.kernels.jax_staged.StagedWrites.pack` without a
+ring instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxbuf import interop
+from jaxbuf._checks import as_count, as_max_concurrency
+from jaxbuf._resolve import resolve
+from jaxbuf.uva import UvaBuffer
+
+from .jax_staged import (
+    METHODS,
+    PackedWrites,
+    StagedWrites,
+    _packed_words,
+    _register_pytree,
+    apply_staged_writes,
+    bucket_size,
+)
+
+__all__ = ["PackRing"]
+
+#: Packed lengths whose JAX import one slot keeps; past it the slot's cache starts over (a
+#: steady loop packs a handful of bucketed lengths).
+MAX_CACHED_LENGTHS = 16
+_DEFAULT_MIN_WORDS = 4096  # 16 KiB: four pages, a 256-write step of 16 int32 fits twice
+
+
+class _Slot:
+    """One pinned buffer and what the ring knows about its last pack."""
+
+    __slots__ = ("buffer", "capacity", "arrays", "leaf", "pending", "guard")
+
+    def __init__(self) -> None:
+        self.buffer: UvaBuffer | None = None
+        self.capacity = 0  # int32 words
+        self.arrays: dict[int, Any] = {}  # packed length in words -> JAX array over them
+        self.leaf: Any = None  # the JAX array of the last pack
+        self.pending = False  # packed, and not known to be consumed
+        self.guard: Any = None  # an output of the computation reading it (a pytree), or None
+
+
+# One jitted, donated apply per method, shared by every ring: the array with the writes
+# applied, and a one-element token read from it. The token is never handed out, so never
+# donated: it stays waitable, and it is ready only once the apply (which read the slot) is.
+_JITTED: dict[str | None, Any] = {}
+
+
+def _jitted_apply(method: str | None) -> Any:
+    step = _JITTED.get(method)
+    if step is None:
+        import jax
+
+        def apply_with_token(array: Any, packed: PackedWrites) -> tuple[Any, Any]:
+            out = apply_staged_writes(array, packed, method=method)
+            return out, out.reshape(-1)[:1]
+
+        step = _JITTED[method] = jax.jit(apply_with_token, donate_argnums=0)
+    return step
+
+
+class PackRing:
+    """``max_concurrency`` pinned slots that :class:`StagedWrites` pack into, read in place by
+    the jitted apply (see the module docstring).
+
+    Each :meth:`pack` takes the next slot round-robin: it first waits until the slot's last
+    reader is done (its recorded guard, else a device-wide wait), grows the slot to the next
+    power of two of int32 words if the pack does not fit, writes the PackedWrites there with
+    the same layout and padding as a fresh pack, and returns a PackedWrites whose leaf is the
+    slot's cached JAX array. :meth:`apply` packs (or takes a ring PackedWrites), applies it
+    with a cached jitted, donated apply and records the guard; with a jitted step of your
+    own, pass any output of it that you will not donate (all outputs of one call are ready
+    together) to :meth:`consumed_by` after the call.
+
+    Invariants: a slot is never rewritten while a recorded or unrecorded reader may run; a
+    failed pack (closed ring, driver error, bad input) leaves the staged writes staged. The
+    slots' memory follows the owner contract of :class:`~jaxbuf.uva.UvaBuffer`: it lives as
+    long as any array over it. Not thread-safe; not picklable or copyable.
+
+    Parameters
+    ----------
+    max_concurrency : int, optional
+        Slots (default 2: the step the device reads and the one the host writes).
+    device : device spec, optional
+        Where the packed writes are read (default :func:`jaxbuf.default_device`); the arrays
+        applied to must live there.
+    driver : VmmDriver, optional
+        Default: the device's driver (tests pass a fault-injecting one).
+    min_words : int
+        Each slot's first capacity, in int32 words (default 4096, 16 KiB).
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from jaxbuf.jax_ops import PackRing, StagedWrites
+    >>> staged = StagedWrites(4, 8, "int32")
+    >>> with PackRing(device="cpu") as ring:
+    ...     array = jnp.zeros((4, 8), jnp.int32)
+    ...     staged.stage_write(1, 2, np.arange(3, dtype=np.int32))
+    ...     array = ring.apply(array, staged)
+    ...     print(np.asarray(array)[1].tolist())
+    [0, 0, 0, 1, 2, 0, 0, 0]
+    """
+
+    __slots__ = ("_device", "_driver", "_slots", "_next", "_last", "_min_words", "_closed")
+
+    def __init__(
+        self,
+        max_concurrency: int | None = None,
+        device: Any = None,
+        *,
+        driver: Any = None,
+        min_words: int = _DEFAULT_MIN_WORDS,
+    ) -> None:
+        count = as_max_concurrency(max_concurrency)
+        self._min_words = as_count(min_words, "min_words")
+        self._device, self._driver = resolve(device, driver)
+        self._slots = [_Slot() for _ in range(count)]
+        self._next = 0
+        self._last: _Slot | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        state = ", closed" if self._closed else ""
+        return (
+            f"PackRing(max_concurrency={len(self._slots)}, device={self._device}, "
+            f"capacities={self.capacities}{state})"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("a PackRing owns pinned memory and cannot be pickled or copied")
+
+    def __enter__(self) -> PackRing:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def max_concurrency(self) -> int:
+        return len(self._slots)
+
+    @property
+    def device(self) -> Any:
+        return self._device
+
+    @property
+    def driver(self) -> Any:
+        return self._driver
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def capacities(self) -> list[int]:
+        """Each slot's capacity in int32 words (0 before its first pack)."""
+        return [slot.capacity for slot in self._slots]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed: make a new PackRing to pack again")
+
+    # -- packing -----------------------------------------------------------------------------
+    def pack(self, staged: StagedWrites, *, clear: bool = True) -> PackedWrites:
+        """``staged``'s writes packed (as :meth:`StagedWrites.pack`) into the next slot; the
+        result's leaf is the slot's JAX array, for ``jit`` only (never ``np.asarray`` it).
+
+        The result is valid until the slot comes round again, ``max_concurrency`` packs
+        later (the slot then holds that pack): apply it before then. RuntimeError once the
+        ring is closed; a failure leaves ``staged`` as it was."""
+        self._check_open()
+        if not isinstance(staged, StagedWrites):
+            raise TypeError(f"staged must be a StagedWrites, got {staged!r}")
+        _register_pytree()
+        slot = self._slots[self._next]
+        leaf = None
+
+        def allocate(num_writes: int, num_values: int, dtype: Any) -> PackedWrites:
+            nonlocal leaf
+            words = _packed_words(num_writes, num_values, dtype)
+            self._wait(slot)
+            self._ensure_capacity(slot, words)
+            leaf = self._leaf(slot, words)
+            return PackedWrites._wrap(slot.buffer.np[:words], num_writes, num_values, dtype)
+
+        host = staged._pack_into(allocate, clear)
+        slot.leaf, slot.pending, slot.guard = leaf, True, None
+        self._last = slot
+        self._next = (self._next + 1) % len(self._slots)
+        return PackedWrites._wrap(leaf, host.num_writes, host.num_values, host.dtype)
+
+    def _wait(self, slot: _Slot) -> None:
+        """Return once nothing may still read ``slot``: its guard is ready, or else the
+        device and every framework on it are idle."""
+        if not slot.pending:
+            return
+        guard = slot.guard
+        if guard is not None and not _any_deleted(guard):
+            import jax
+
+            try:
+                jax.block_until_ready(guard)
+                guard = True
+            except RuntimeError:  # donated meanwhile, or the step failed: wait for all
+                guard = None
+        if guard is not True:
+            interop.quiesce(self._device)  # JAX's pending work, dispatched or not yet
+            self._driver.synchronize(self._device.index)  # then the device's streams
+        slot.pending, slot.guard = False, None
+
+    def _ensure_capacity(self, slot: _Slot, words: int) -> None:
+        if slot.capacity >= words:
+            return
+        capacity = bucket_size(words, self._min_words)
+        # The new buffer first: a failed allocation leaves the slot as it was.
+        buffer = UvaBuffer(capacity, "int32", self._device, driver=self._driver)
+        old = slot.buffer
+        slot.buffer, slot.capacity, slot.arrays, slot.leaf = buffer, capacity, {}, None
+        if old is not None:
+            old.free()  # its memory stays while an array over it (a user's PackedWrites) does
+
+    def _leaf(self, slot: _Slot, words: int) -> Any:
+        array = slot.arrays.get(words)
+        if array is None or array.is_deleted():  # deleted: a caller's jit donated it
+            if len(slot.arrays) >= MAX_CACHED_LENGTHS:
+                slot.arrays.clear()
+            array = slot.buffer.view.view(shape=(words,)).to_jax()
+            slot.arrays[words] = array
+        return array
+
+    # -- applying and guards -----------------------------------------------------------------
+    def apply(self, array: Any, writes: StagedWrites | PackedWrites, *, method: str | None = None):
+        """``array`` (donated) with ``writes`` applied: a :class:`StagedWrites` is packed into
+        the ring first; a PackedWrites (from this ring or not) is applied as it is. Runs a
+        cached jitted apply (:func:`~jaxbuf.kernels.jax_staged.apply_staged_writes`, ``method``
+        as there) and records its completion as the slot's guard. Returns the new array."""
+        self._check_open()
+        if method is not None and method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS} or None, got {method!r}")
+        if method == "triton" and not self._device.is_cuda:  # refused before packing
+            raise ValueError(
+                f"method='triton' runs on a GPU, but the ring is on {self._device}; "
+                "use method='scatter' (the default there)"
+            )
+        if isinstance(writes, StagedWrites):
+            packed = self.pack(writes)
+        elif isinstance(writes, PackedWrites):
+            packed = writes
+        else:
+            raise TypeError(f"writes must be a StagedWrites or a PackedWrites, got {writes!r}")
+        out, token = _jitted_apply(method)(array, packed)
+        slot = self._slot_of(packed)
+        if slot is not None:
+            slot.guard = token
+        return out
+
+    def consumed_by(self, output: Any) -> Any:
+        """Record ``output`` (a JAX array or pytree of them, from the step that read the last
+        pack) as that slot's guard; returns ``output``. Pass an output you will not donate
+        before the slot comes round again: a donated guard costs a device-wide wait."""
+        self._check_open()
+        if self._last is None or not self._last.pending:
+            raise RuntimeError(f"{self!r} has no pack in flight to record a consumer for")
+        self._last.guard = output
+        return output
+
+    def _slot_of(self, packed: PackedWrites) -> _Slot | None:
+        leaf = packed.buffer
+        for slot in self._slots:
+            if slot.pending and slot.leaf is leaf:
+                return slot
+        return None
+
+    # -- closing -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Done with the ring: later packs raise RuntimeError; each slot's pinned memory goes
+        now (after JAX's pending work, as ``UvaBuffer.free``) or with the last array over it.
+        Idempotent; after a driver failure, calling it again frees the rest."""
+        self._closed = True
+        self._last = None
+        if any(slot.buffer is not None for slot in self._slots):
+            # Pending readers first: an import dropped while a computation still reads it
+            # would release its export (and so the memory) only later, on JAX's thread.
+            interop.quiesce(self._device)
+        for slot in self._slots:
+            slot.arrays, slot.leaf, slot.guard, slot.pending = {}, None, None, False
+            if slot.buffer is not None:
+                slot.buffer.free()
+                slot.buffer, slot.capacity = None, 0
+
+    def free(self) -> None:
+        """Same as :meth:`close`."""
+        self.close()
+
+
+def _any_deleted(guard: Any) -> bool:
+    """Whether any array in the pytree ``guard`` was deleted (donated): not waitable."""
+    import jax
+
+    return any(
+        getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree_util.tree_leaves(guard)
+    )
