@@ -312,9 +312,9 @@ def test_large_applies_read_a_device_copy_and_match_the_model(cleanup):
     shape = (256, 1024)
     tables = [StagedWriteTensor(shape, "int32", "cuda") for _ in range(2)]
     for table in tables:
-        cleanup(table.free)
+        cleanup(table)
     writer = FusedStagedWriter("cuda", max_writes=64, max_concurrency=2)
-    cleanup(writer.close)
+    cleanup(writer)
     models = [np.zeros(shape, np.int32) for _ in tables]
     for round_ in range(6):
         large = round_ % 2 == 0  # small and large applies alternate over the two slots

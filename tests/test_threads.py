@@ -237,6 +237,9 @@ def test_frameworks_half_imported_by_another_thread_count_as_not_loaded(monkeypa
     half_built.__spec__._initializing = True
     monkeypatch.setitem(sys.modules, "torch", half_built)
     torch_adapter = interop.get("torch")
+    # As in a process where torch is not imported yet: the stream getter is bound only once
+    # torch has initialised CUDA (another test may have bound it in this process).
+    monkeypatch.setattr(torch_adapter, "_raw_stream", None)
     assert interop.loaded_module("torch") is None
     assert not torch_adapter.is_array(np.zeros(1))
     assert interop.adapter_for(np.zeros(1)) is interop.get("numpy")
