@@ -222,7 +222,9 @@ class _Model:
     def put(self, value: Any) -> Any:
         return self.jax.device_put(value, self.jax_device)
 
-    def pack(self, rows: list[int], columns: list[int], pages: list[int]) -> Any:
+    def pack(self, rows: list[int], columns: list[int], pages: list[int], ring: Any = None) -> Any:
+        """The block-table writes packed, into ``ring`` (a :class:`~jaxbuf.jax_ops.PackRing`,
+        read by the step in place) when given."""
         from jaxbuf.jax_ops import pack_writes
 
         b = self.plan.num_seqs
@@ -235,6 +237,7 @@ class _Model:
             shape=(b, self.plan.blocks_per_seq),
             min_write_bucket=b,
             min_content_bucket=b,
+            ring=ring,
         )
 
     def empty_cache(self, pages: int) -> Any:

@@ -141,13 +141,15 @@ def _run_jaxbuf(model: _Model, schedule: _Schedule, device: Any) -> _Run:
     """The cache in an ExtensibleTensor, block-table writes through jax_ops, metadata from a
     UVA pool; see the module docstring."""
     from jaxbuf import ExtensibleTensor, UvaBufferPool
+    from jaxbuf.jax_ops import PackRing
 
     plan = model.plan
     cache = ExtensibleTensor(plan.total_blocks * plan.block_bytes, device=device)
-    pool = None
+    pool = ring = None
     array = target = out = block_table = None
     try:
         pool = UvaBufferPool((plan.num_seqs, 2), "int32", device=device, framework="jax")
+        ring = PackRing(device=device)  # the step reads its block-table writes in place
 
         def imported(pages: int) -> tuple[Any, Any]:
             """The committed pages as a JAX array, and as the array the K/V rows are written
@@ -172,7 +174,7 @@ def _run_jaxbuf(model: _Model, schedule: _Schedule, device: Any) -> _Run:
             for n in range(schedule.steps):
                 start = time.perf_counter_ns()
                 rows, columns, pages = schedule.writes[n]
-                packed = model.put(model.pack(rows, columns, pages)) if rows else model.no_writes
+                packed = model.pack(rows, columns, pages, ring) if rows else model.no_writes
                 meta = pool.copy_to_uva(schedule.meta[n])
                 if model.write_path == "donate":
                     array, block_table, out = model.jaxbuf_step(
@@ -186,6 +188,8 @@ def _run_jaxbuf(model: _Model, schedule: _Schedule, device: Any) -> _Run:
                     else:
                         _torch_write(target, slots, kv)
                     block_table, out = model.jaxbuf_attend(array, block_table, packed, meta, q)
+                if rows:
+                    ring.consumed_by(out)  # the slot is rewritten only once this step is done
                 wanted = capacity
                 if n + 1 < schedule.steps:
                     wanted = plan.capacity(int(schedule.pages[n + 1]))
@@ -216,6 +220,8 @@ def _run_jaxbuf(model: _Model, schedule: _Schedule, device: Any) -> _Run:
         array = target = out = block_table = None
         if pool is not None:
             pool.close()
+        if ring is not None:
+            ring.close()
         cache.free()
 
 

@@ -19,9 +19,10 @@ of numpy arrays), against what a plain JAX user writes: the indices built in num
   (JAX runs on its own stream, so CUDA events on another stream would not time it);
 * the device time per apply, for each ``method`` (on a GPU ``"triton"``, the default there,
   ``"scatter"`` and the deprecated ``"pallas"``; on the CPU ``"scatter"``), against plain JAX's
-  ``a.at[r, c].set(v)``: 50 applies chained in one jitted ``fori_loop``, inputs prebuilt on the
-  device, so one dispatch is spread over 50 launches; the issue's target on a GPU: the Triton
-  apply no slower than plain JAX.
+  ``a.at[r, c].set(v)``: 50 applies chained in one jitted function (unrolled: a ``fori_loop``
+  adds a host round trip per iteration, about 15 µs on an H200, which hid the applies' own
+  cost), inputs prebuilt on the device, so one dispatch is spread over 50 launches; the
+  issue's target on a GPU: the Triton apply no slower than plain JAX.
 
 The writes are disjoint, so the plain scatter's unspecified order among duplicates does not
 matter (``pack_writes`` resolves overlaps, later writes winning). On a GPU the apply runs with
@@ -137,15 +138,18 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         return median
 
     def device_time_per_apply(apply: Callable[..., Any], inputs: Any) -> float:
-        """Device time of one apply: ``loop`` applies chained in one jitted, donated
-        ``fori_loop`` over inputs prebuilt on the device (one dispatch spread over ``loop``
+        """Device time of one apply: ``loop`` applies chained in one jitted, donated function
+        (unrolled) over inputs prebuilt on the device (one dispatch spread over ``loop``
         launches), the median call divided by ``loop``. Each apply depends on the previous
         array, so XLA can neither hoist nor drop one."""
         prebuilt = jax.device_put(inputs, jax_device)
-        looped = jax.jit(
-            lambda a, *xs: jax.lax.fori_loop(0, loop, lambda _, b: apply(b, *xs), a),
-            donate_argnums=0,
-        )
+
+        def chained(a: Any, *xs: Any) -> Any:
+            for _ in range(loop):
+                a = apply(a, *xs)
+            return a
+
+        looped = jax.jit(chained, donate_argnums=0)
         holder = [jax.device_put(np.zeros(_SHAPE, np.int32), jax_device)]
 
         def call() -> None:
@@ -242,7 +246,7 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
             apply_s,
             "plain JAX: a.at[r, c].set(v), device time per apply",
             plain_apply_s,
-            notes=f"{loop} applies in one jitted fori_loop, inputs prebuilt on the device"
+            notes=f"{loop} applies chained in one jitted function, inputs prebuilt on the device"
             if apply_s is not None
             else f"skipped: {params['skipped']}",
             params=params,
