@@ -273,10 +273,6 @@ class PackRing:
             packed = writes
         else:
             raise TypeError(f"writes must be a StagedWrites or a PackedWrites, got {writes!r}")
-        if method is None and not self._device.is_cuda:
-            # Decided here, where the device is known: inside jit the library's default looks
-            # at JAX's default backend, which is the GPU on a machine that has one.
-            method = "scatter"
         out, token = _jitted_apply(method)(array, packed)
         slot = self._slot_of(packed)
         if slot is not None:

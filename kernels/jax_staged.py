@@ -702,7 +702,12 @@ def apply_staged_writes(
     * ``"pallas"``: the Pallas kernel on Pallas's Triton backend, which JAX 0.11 deprecates;
       kept for comparison, never chosen by default. ``interpret`` defaults to True except on
       a GPU backend.
-    * ``None`` (default): ``"triton"`` on a GPU where ``jax_triton`` runs, else ``"scatter"``.
+    * ``None`` (default): ``"scatter"``, on every platform. Chosen by the numbers: on an
+      H200 the scatter's device time per apply (2.9 / 3.4 µs at 256 / 4,096 writes of 16
+      int32, in a chain of 50) is no slower than plain JAX's ``a.at[r, c].set(v)`` (3.3 /
+      3.8 µs), while the Triton kernel's is 7.7 µs: XLA records its fusions into CUDA graphs
+      but launches a ``jax_triton`` custom call from the host, one at a time. A donated array
+      is updated in place by either.
 
     Raises ValueError for an unknown method, ``"triton"`` off the GPU or with ``interpret``,
     and ImportError naming what is missing when ``"triton"`` cannot run here.
@@ -719,10 +724,7 @@ def apply_staged_writes(
         )
     if packed.dtype != array.dtype:
         raise TypeError(f"packed values are {packed.dtype}, array is {array.dtype}")
-    if method is None:
-        on_gpu = _platform(array) == "gpu"
-        method = "triton" if on_gpu and _triton_unavailable_reason() is None else "scatter"
-    if method == "scatter":
+    if method is None or method == "scatter":
         return _apply_scatter(array, packed)
     if method == "triton":
         if interpret:

@@ -3,7 +3,7 @@
 :func:`apply_packed_writes` applies a :class:`jaxbuf.kernels.jax_staged.PackedWrites` to one
 2-D array with ``jax_triton.triton_call``, the array aliased to the result
 (``input_output_aliases``): a donated array is updated in place, with no copy. This is
-``apply_staged_writes(..., method="triton")``, the default on a GPU where ``jax_triton``
+``apply_staged_writes(..., method="triton")``, available on a GPU where ``jax_triton``
 imports.
 
 One kernel source for torch and JAX: the copy loop is :func:`jaxbuf.kernels.staged_write.
