@@ -824,7 +824,84 @@ static PyObject *clear(PyObject *module, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* expand_elements(rows, starts, lengths, offsets, element_rows, element_cols) -> None: the
+ * JAX PackedWrites' per-element scatter indices. Write w's element j sits at values index
+ * offsets[w] + j and goes to (rows[w], starts[w] + j); every values index no write covers
+ * gets row and column 2**31 - 1, out of any array's range, so the scatter drops it. The four columns
+ * are int32 of one length, the two outputs writable int32 of one length; ValueError (and
+ * nothing written) when a write's elements fall outside the outputs. */
+static PyObject *expand_elements(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "expand_elements(rows, starts, lengths, offsets, element_rows, "
+                        "element_cols) takes 6 arguments");
+        return NULL;
+    }
+    Py_buffer in[4] = {{0}}, out[2] = {{0}};
+    int held_in = 0, held_out = 0;
+    PyObject *result = NULL;
+    for (; held_in < 4; held_in++) {
+        if (PyObject_GetBuffer(args[held_in], &in[held_in], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            goto done;
+        const char *f = native_format(&in[held_in]);
+        if (in[held_in].ndim != 1 || in[held_in].itemsize != 4 || strcmp(f, "i") ||
+            in[held_in].shape[0] != in[0].shape[0]) {
+            held_in++;
+            PyErr_SetString(PyExc_ValueError,
+                            "rows, starts, lengths, offsets must be 1-D int32 of one length");
+            goto done;
+        }
+    }
+    for (; held_out < 2; held_out++) {
+        if (int32_output(args[4 + held_out], &out[held_out], 0,
+                         held_out ? "element_cols" : "element_rows") < 0)
+            goto done;
+    }
+    Py_ssize_t writes = in[0].shape[0], elements = out[0].shape[0];
+    if (out[1].shape[0] != elements) {
+        PyErr_SetString(PyExc_ValueError, "element_rows and element_cols differ in length");
+        goto done;
+    }
+    const int32_t *rows = in[0].buf, *starts = in[1].buf, *lengths = in[2].buf;
+    const int32_t *offsets = in[3].buf;
+    /* The packer lays contents out back to back from 0 (offsets a running sum of lengths):
+     * then only the tail past them needs the padding index, not every element first. */
+    long long running = 0;
+    int back_to_back = 1;
+    for (Py_ssize_t w = 0; w < writes; w++) {
+        if (lengths[w] < 0 || offsets[w] < 0 ||
+            (long long)offsets[w] + lengths[w] > (long long)elements) {
+            PyErr_Format(PyExc_ValueError,
+                         "write %zd (offset %d, length %d) falls outside %zd elements", w,
+                         (int)offsets[w], (int)lengths[w], elements);
+            goto done;
+        }
+        back_to_back &= offsets[w] == running || lengths[w] == 0;
+        running += lengths[w];
+    }
+    int32_t *element_rows = out[0].buf, *element_cols = out[1].buf;
+    for (Py_ssize_t e = back_to_back ? (Py_ssize_t)running : 0; e < elements; e++)
+        element_rows[e] = element_cols[e] = INT32_MAX;
+    for (Py_ssize_t w = 0; w < writes; w++) {
+        int32_t row = rows[w], start = starts[w];
+        int32_t *r = element_rows + offsets[w], *c = element_cols + offsets[w];
+        for (int32_t j = 0; j < lengths[w]; j++) {
+            r[j] = row;
+            c[j] = (int32_t)((long long)start + j > INT32_MAX ? INT32_MAX : start + j);
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (int i = 0; i < held_in && i < 4; i++)
+        if (in[i].obj != NULL) PyBuffer_Release(&in[i]);
+    for (int i = 0; i < held_out; i++) PyBuffer_Release(&out[i]);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
+    {"expand_elements", (PyCFunction)(void (*)(void))expand_elements, METH_FASTCALL,
+     "expand_elements(rows, starts, lengths, offsets, element_rows, element_cols): the "
+     "per-element scatter indices of the JAX PackedWrites"},
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL,
      "pack(stagers, group_table, address, capacity) -> (num_writes, contents_start, "
      "total_bytes): the resolved writes (no two overlap) laid out in a slot"},

@@ -34,9 +34,10 @@ from .dtypes import DType, canonical_dtype
 try:  # the C fast paths (optional: the Python/numpy paths do everything they do)
     from ._staging import Stager as _Stager
     from ._staging import clear as c_clear
+    from ._staging import expand_elements as c_expand_elements
     from ._staging import pack as c_pack
 except ImportError:  # pragma: no cover - built by setup.py wherever a compiler is
-    _Stager = c_clear = c_pack = None
+    _Stager = c_clear = c_pack = c_expand_elements = None
 
 #: Target dtypes a StagedWriteTensor accepts.
 SUPPORTED_DTYPES = ("int32", "int64", "float32", "float16", "bfloat16")

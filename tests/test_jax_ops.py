@@ -193,7 +193,8 @@ def test_packed_writes_from_columns():
     raise before anything is built."""
     packed = PackedWrites([1, 0], [2, 0], [2, 1], [0, 2], np.array([7, 8, 9], np.int32))
     assert (packed.num_writes, packed.num_values, packed.dtype) == (2, 3, np.int32)
-    assert packed.buffer.shape == (4 * 2 + 3,)
+    assert packed.buffer.shape == (4 * 2 + 3 + 2 * 3,)  # columns, values, element indices
+    assert packed.element_rows.tolist() == [1, 1, 0] and packed.element_cols.tolist() == [2, 3, 0]
     got = jax.jit(apply_staged_writes)(jnp.zeros((2, 4), jnp.int32), packed)
     np.testing.assert_array_equal(np.asarray(got), [[9, 0, 0, 0], [0, 0, 7, 8]])
     # Contents not starting at offset 0 and an empty write in the middle: the element before
@@ -212,3 +213,35 @@ def test_packed_writes_from_columns():
         PackedWrites([0], [0], [1], [0], np.zeros((1, 1), np.int32))
     with pytest.raises(TypeError, match="PackedWrites"):
         apply_staged_writes(jnp.zeros((2, 4), jnp.int32), tuple(packed))
+
+
+@pytest.mark.parametrize("expander", ["c", "numpy"])
+@pytest.mark.parametrize("seed", range(4))
+def test_element_indices_name_every_value_target(monkeypatch, expander, seed):
+    """Each packed value's element row and column is where the model puts it; padding is
+    2**31 - 1 (dropped). The C loop and its numpy fallback agree."""
+    from jaxbuf.kernels import jax_staged
+
+    if expander == "numpy":
+        monkeypatch.setattr(jax_staged, "c_expand_elements", None)
+    elif jax_staged.c_expand_elements is None:
+        pytest.skip("the C extension is not built")
+    rng = np.random.default_rng(seed)
+    rows, starts, values_list = _random_writes(rng, int(rng.integers(0, 40)), "int32")
+    packed = pack_writes(rows, starts, values_list, "int32", shape=SHAPE)
+    element_rows, element_cols = packed.element_rows, packed.element_cols
+    kept = element_rows != 2**31 - 1
+    # Scattering the values by the element indices is the model's later-wins result ...
+    got = np.zeros(SHAPE, np.int32)
+    got[element_rows[kept], element_cols[kept]] = packed.values[kept]
+    np.testing.assert_array_equal(got, _model(np.zeros(SHAPE, np.int32), rows, starts, values_list))
+    # ... with every target named once (the writes were made disjoint) and padding dropped.
+    targets = element_rows[kept].astype(np.int64) * SHAPE[1] + element_cols[kept]
+    assert len(set(targets.tolist())) == targets.size
+    assert (element_cols[~kept] == 2**31 - 1).all()
+    assert kept.sum() == int(packed.lengths.sum())
+
+
+def test_element_expansion_refuses_writes_outside_the_values():
+    with pytest.raises(ValueError, match="outside"):
+        PackedWrites([0], [0], [4], [0], np.array([1, 2, 3], np.int32))
