@@ -34,6 +34,8 @@ checked against a numpy model before the rows are reported. Only the public
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -138,28 +140,48 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         _check(holder[0], expected)
         return median
 
-    def device_time_per_apply(apply: Callable[..., Any], inputs: Any) -> float:
-        """Device time of one apply: ``loop`` applies chained in one jitted, donated function
-        (unrolled) over inputs prebuilt on the device (one dispatch spread over ``loop``
-        launches), the median call divided by ``loop``. Each apply depends on the previous
-        array, so XLA can neither hoist nor drop one."""
-        prebuilt = jax.device_put(inputs, jax_device)
+    def device_times_per_apply(candidates: dict[str, tuple[Callable[..., Any], Any]]) -> dict:
+        """Device time of one apply for each ``label: (apply, inputs)``: ``loop`` applies
+        chained in one jitted, donated function (unrolled) over inputs prebuilt on the device
+        (one dispatch spread over ``loop`` launches), the median call divided by ``loop``.
+        Each apply depends on the previous array, so XLA can neither hoist nor drop one. The
+        candidates are timed round by round, in an order reversed every other round, so
+        drift falls on all alike. A candidate that cannot run maps to its ImportError."""
+        calls: dict[str, Callable[[], None]] = {}
+        times: dict[str, Any] = {}
+        for label, (apply, inputs) in candidates.items():
+            try:
+                prebuilt = jax.device_put(inputs, jax_device)
 
-        def chained(a: Any, *xs: Any) -> Any:
-            for _ in range(loop):
-                a = apply(a, *xs)
-            return a
+                def chained(a: Any, *xs: Any, apply: Any = apply) -> Any:
+                    for _ in range(loop):
+                        a = apply(a, *xs)
+                    return a
 
-        looped = jax.jit(chained, donate_argnums=0)
-        holder = [jax.device_put(np.zeros(_SHAPE, np.int32), jax_device)]
+                looped = jax.jit(chained, donate_argnums=0)
+                holder = [jax.device_put(np.zeros(_SHAPE, np.int32), jax_device)]
 
-        def call() -> None:
-            holder[0] = looped(holder[0], *prebuilt)
-            holder[0].block_until_ready()
+                def call(looped: Any = looped, prebuilt: Any = prebuilt, holder=holder) -> None:
+                    holder[0] = looped(holder[0], *prebuilt)
+                    holder[0].block_until_ready()
 
-        median = timed(call)
-        _check(holder[0], expected)  # the same writes again leave the same array
-        return median / loop
+                for _ in range(2):  # compile, warm up
+                    call()
+                _check(holder[0], expected)  # the same writes again leave the same array
+            except ImportError as error:  # method="triton" where jax_triton cannot run
+                times[label] = error
+                continue
+            calls[label], times[label] = call, []
+        labels = list(calls)
+        for i in range(repeat):
+            for label in labels if i % 2 == 0 else reversed(labels):
+                start = time.perf_counter()
+                calls[label]()
+                times[label].append(time.perf_counter() - start)
+        return {
+            label: t if isinstance(t, BaseException) else statistics.median(t) / loop
+            for label, t in times.items()
+        }
 
     plain_step = jax.jit(lambda a, r, c, v: a.at[r, c].set(v), donate_argnums=0)
     plain_s, plain_array = end_to_end(plain_step, indices)
@@ -233,15 +255,15 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         )
     # The issue's target for the apply on the GPU: device time no slower than plain JAX's
     # scatter, for the default method (the XLA scatter from the packed writes).
-    plain_apply_s = device_time_per_apply(lambda a, r, c, v: a.at[r, c].set(v), indices())
+    candidates = {"plain": (lambda a, r, c, v: a.at[r, c].set(v), indices())}
     for method in _device_methods(device):
+        candidates[method] = (lambda a, p, m=method: apply_staged_writes(a, p, method=m), (pack(),))
+    device_times = device_times_per_apply(candidates)
+    plain_apply_s = device_times.pop("plain")
+    for method, apply_s in device_times.items():
         params = {"num_writes": num_writes, "kind": "jax-staged-device", "method": method}
-        try:
-            apply_s = device_time_per_apply(
-                lambda a, p, m=method: apply_staged_writes(a, p, method=m), (pack(),)
-            )
-        except ImportError as error:  # method="triton" where jax_triton cannot run
-            apply_s, params["skipped"] = None, str(error)
+        if isinstance(apply_s, BaseException):
+            apply_s, params["skipped"] = None, str(apply_s)
         row = Row(
             f"jitted apply {name}, device time per apply (method={method!r})",
             apply_s,
