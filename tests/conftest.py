@@ -76,3 +76,34 @@ def cuda_device() -> str:
     if CUDA_REASON is not None:
         pytest.skip(f"no usable CUDA GPU: {CUDA_REASON}")
     return "cuda:0"
+
+
+def row_writes_model(array, rows, starts, values_list):
+    """``array`` with row writes applied one after another (later writes win); what falls
+    outside it is dropped. The numpy model the staged-write tests check against."""
+    import numpy as np
+
+    out = np.array(array)
+    for row, start, values in zip(rows, starts, values_list):
+        if row < out.shape[0] and start < out.shape[1]:
+            span = values[: out.shape[1] - start]
+            out[row, start : start + len(span)] = span
+    return out
+
+
+@pytest.fixture
+def gpu_triton():
+    """A JAX GPU backend with a working jax_triton, or a skip saying which is missing."""
+    if CUDA_REASON is not None:
+        pytest.skip(f"no usable CUDA GPU: {CUDA_REASON}")
+    if JAX_REASON is not None:
+        pytest.skip(JAX_REASON)
+    import jax
+
+    if jax.default_backend() != "gpu":
+        pytest.skip(f"JAX has no GPU backend here (default backend {jax.default_backend()})")
+    from jaxbuf.kernels import jax_triton_apply
+
+    reason = jax_triton_apply.jax_triton_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import row_writes_model
 
 jax = pytest.importorskip("jax", reason="jax is not installed")
 import jax.numpy as jnp  # noqa: E402
@@ -18,14 +19,6 @@ from jaxbuf.jax_ops import (  # noqa: E402
 
 METHODS = ["pallas", "scatter"]
 SHAPE = (6, 40)
-
-
-def _model(array, rows, starts, values_list):
-    """Writes applied one after another: later writes win."""
-    out = np.array(array)
-    for row, start, values in zip(rows, starts, values_list):
-        out[row, start : start + len(values)] = values
-    return out
 
 
 def _random_writes(rng, num_writes, dtype, shape=SHAPE, max_len=30):
@@ -45,14 +38,14 @@ def apply_jit():
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", ["float32", "int32", "float16", "bfloat16"])
-def test_random_writes_match_numpy_model(apply_jit, method, dtype):
+def test_random_writes_match_numpyrow_writes_model(apply_jit, method, dtype):
     np_dtype = jnp.dtype(dtype)
     rng = np.random.default_rng(0)
     for _ in range(4):
         array = (rng.standard_normal(SHAPE) * 100).astype(np_dtype)
         writes = _random_writes(rng, int(rng.integers(0, 20)), np_dtype)
         got = apply_jit(jnp.asarray(array), pack_writes(*writes, dtype, shape=SHAPE), method=method)
-        np.testing.assert_array_equal(np.asarray(got), _model(array, *writes))
+        np.testing.assert_array_equal(np.asarray(got), row_writes_model(array, *writes))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -64,7 +57,9 @@ def test_overlapping_writes_later_wins(apply_jit, method):
     got = apply_jit(
         jnp.asarray(array), pack_writes(rows, starts, values_list, "int32"), method=method
     )
-    np.testing.assert_array_equal(np.asarray(got), _model(array, rows, starts, values_list))
+    np.testing.assert_array_equal(
+        np.asarray(got), row_writes_model(array, rows, starts, values_list)
+    )
     np.testing.assert_array_equal(np.asarray(got)[0], [1, 1, 2, 2, 3, 3, 3, 3, 3, 6])
 
 
@@ -75,7 +70,7 @@ def test_random_overlapping_writes(apply_jit, method):
         array = rng.integers(-9, 9, (3, 12)).astype(np.int32)
         writes = _random_writes(rng, 12, np.int32, shape=(3, 12), max_len=8)
         got = apply_jit(jnp.asarray(array), pack_writes(*writes, "int32"), method=method)
-        np.testing.assert_array_equal(np.asarray(got), _model(array, *writes))
+        np.testing.assert_array_equal(np.asarray(got), row_writes_model(array, *writes))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -83,7 +78,7 @@ def test_writes_longer_than_a_pallas_block(apply_jit, method):
     array = np.zeros((2, 700), np.float32)
     writes = ([1, 0], [5, 0], [np.arange(600, dtype=np.float32), np.ones(700, np.float32)])
     got = apply_jit(jnp.asarray(array), pack_writes(*writes, "float32"), method=method)
-    np.testing.assert_array_equal(np.asarray(got), _model(array, *writes))
+    np.testing.assert_array_equal(np.asarray(got), row_writes_model(array, *writes))
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -96,7 +91,7 @@ def test_jit_with_donation_updates_in_place(method):
     for _ in range(3):
         writes = _random_writes(rng, 10, np.float32)
         array = step(array, pack_writes(*writes, "float32"))
-        expected = _model(expected, *writes)
+        expected = row_writes_model(expected, *writes)
         assert array.unsafe_buffer_pointer() == pointer
     np.testing.assert_array_equal(np.asarray(array), expected)
 
@@ -124,7 +119,7 @@ def test_no_recompilation_within_a_bucket(method):
         packed = pack_writes(rows, starts, values_list, "int32", min_content_bucket=128)
         assert packed.rows.shape == (32,) and packed.values.shape == (128 + 128,)
         array = step(array, packed)
-        expected = _model(expected, rows, starts, values_list)
+        expected = row_writes_model(expected, rows, starts, values_list)
     assert len(traces) == 1
     np.testing.assert_array_equal(np.asarray(array), expected)
 
@@ -234,7 +229,9 @@ def test_element_indices_name_every_value_target(monkeypatch, expander, seed):
     # Scattering the values by the element indices is the model's later-wins result ...
     got = np.zeros(SHAPE, np.int32)
     got[element_rows[kept], element_cols[kept]] = packed.values[kept]
-    np.testing.assert_array_equal(got, _model(np.zeros(SHAPE, np.int32), rows, starts, values_list))
+    np.testing.assert_array_equal(
+        got, row_writes_model(np.zeros(SHAPE, np.int32), rows, starts, values_list)
+    )
     # ... with every target named once (the writes were made disjoint) and padding dropped.
     targets = element_rows[kept].astype(np.int64) * SHAPE[1] + element_cols[kept]
     assert len(set(targets.tolist())) == targets.size

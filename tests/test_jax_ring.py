@@ -15,7 +15,7 @@ import pickle
 
 import numpy as np
 import pytest
-from conftest import CUDA_REASON
+from conftest import row_writes_model
 
 jax = pytest.importorskip("jax", reason="jax is not installed")
 import jax.numpy as jnp  # noqa: E402
@@ -33,14 +33,6 @@ from jaxbuf.testing import FaultInjectingDriver  # noqa: E402
 
 SHAPE = (10, 64)
 DTYPES = ["int32", "float32", "bfloat16", "float16", "int8"]
-
-
-def _model(array, rows, starts, values_list):
-    """Writes applied one after another: later writes win."""
-    out = np.array(array)
-    for row, start, values in zip(rows, starts, values_list):
-        out[row, start : start + len(values)] = values
-    return out
 
 
 def _random_writes(rng, num_writes, dtype, shape=SHAPE, max_len=40):
@@ -92,7 +84,7 @@ def quiesces(monkeypatch):
 # -- correctness against the model ---------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("slots", [1, 2, 3])
-def test_random_batches_through_the_ring_match_the_model(dtype, slots):
+def test_random_batches_through_the_ring_match_therow_writes_model(dtype, slots):
     rng = np.random.default_rng(slots)
     np_dtype = jnp.dtype(dtype)
     expected = np.zeros(SHAPE, np_dtype)
@@ -104,7 +96,7 @@ def test_random_batches_through_the_ring_match_the_model(dtype, slots):
             writes = _random_writes(rng, int(rng.integers(0, 8 + 12 * step)), dtype)
             staged.stage_writes(*writes)
             array = ring.apply(array, staged)
-            expected = _model(expected, *writes)
+            expected = row_writes_model(expected, *writes)
             assert staged.num_staged_writes == 0
         np.testing.assert_array_equal(np.asarray(array), expected)
         assert all(c & (c - 1) == 0 and c >= 64 for c in ring.capacities), ring.capacities
@@ -130,7 +122,7 @@ def test_own_jitted_step_with_pack_writes_and_consumed_by(dtype):
             assert isinstance(packed, PackedWrites) and isinstance(packed.buffer, jax.Array)
             array, total = step(array, packed)
             assert ring.consumed_by(total) is total
-            expected = _model(expected, *writes)
+            expected = row_writes_model(expected, *writes)
         np.testing.assert_array_equal(np.asarray(array), expected)
 
 
@@ -335,20 +327,6 @@ def test_bad_calls_are_named_and_change_nothing():
 
 
 # -- on the GPU ----------------------------------------------------------------------------------
-@pytest.fixture
-def gpu_triton():
-    """A JAX GPU backend with a working jax_triton, or a skip saying which is missing."""
-    if CUDA_REASON is not None:
-        pytest.skip(f"no usable CUDA GPU: {CUDA_REASON}")
-    if jax.default_backend() != "gpu":
-        pytest.skip(f"JAX has no GPU backend here (default backend {jax.default_backend()})")
-    from jaxbuf.kernels import jax_triton_apply
-
-    reason = jax_triton_apply.jax_triton_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["int32", "float32", "bfloat16"])
 def test_triton_through_the_ring_on_the_gpu(gpu_triton, dtype):
@@ -364,7 +342,7 @@ def test_triton_through_the_ring_on_the_gpu(gpu_triton, dtype):
             writes = _random_writes(rng, 8 + 4 * step, dtype, shape=shape, max_len=120)
             staged.stage_writes(*writes)
             state = ring.apply(state, staged, method="triton")
-            expected = _model(expected, *writes)
+            expected = row_writes_model(expected, *writes)
         assert state.unsafe_buffer_pointer() == pointer, "the donated array was copied"
         np.testing.assert_array_equal(np.asarray(state), expected)
 
@@ -380,5 +358,5 @@ def test_unrecorded_consumers_on_the_gpu_stay_correct(gpu_triton):
         for _ in range(30):
             writes = _random_writes(rng, 64, "int32", shape=shape, max_len=100)
             state = step(state, pack_writes(*writes, "int32", shape=shape, ring=ring))
-            expected = _model(expected, *writes)
+            expected = row_writes_model(expected, *writes)
         np.testing.assert_array_equal(np.asarray(state), expected)

@@ -19,7 +19,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import CUDA_REASON, TORCH_REASON
+from conftest import CUDA_REASON, TORCH_REASON, row_writes_model
 
 jax = pytest.importorskip("jax", reason="jax is not installed")
 pytest.importorskip("triton", reason="triton is not installed")
@@ -62,16 +62,6 @@ def _random_writes(rng, num_writes: int, dtype: str, shape=SHAPE, max_len=40, sp
             starts.append(int(rng.integers(0, max(1, shape[1] - length + 1))))
         values_list.append(_values(rng, length, dtype))
     return rows, starts, values_list
-
-
-def _model(array: np.ndarray, rows, starts, values_list) -> np.ndarray:
-    """Writes applied one after another (later writes win); what falls outside is dropped."""
-    out = np.array(array)
-    for row, start, values in zip(rows, starts, values_list):
-        if row < out.shape[0] and start < out.shape[1]:
-            span = values[: out.shape[1] - start]
-            out[row, start : start + len(span)] = span
-    return out
 
 
 def _batches(dtype: str, seed: int, count: int = 4, spill: bool = False):
@@ -221,12 +211,12 @@ def test_launch_config(num_writes, num_values, expected):
 
 # -- the scatter, the CPU's path, against the model ---------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_scatter_matches_the_numpy_model(dtype):
+def test_scatter_matches_the_numpyrow_writes_model(dtype):
     with _x64(dtype):
         step = jax.jit(lambda a, p: apply_staged_writes(a, p, method="scatter"))
         for array, writes in _batches(dtype, seed=1):
             got = step(jnp.asarray(array), pack_writes(*writes, dtype, shape=SHAPE))
-            np.testing.assert_array_equal(np.asarray(got), _model(array, *writes))
+            np.testing.assert_array_equal(np.asarray(got), row_writes_model(array, *writes))
 
 
 def test_scatter_drops_what_falls_outside():
@@ -234,10 +224,10 @@ def test_scatter_drops_what_falls_outside():
         got = apply_staged_writes(
             jnp.asarray(array), pack_writes(*writes, "int32"), method="scatter"
         )
-        np.testing.assert_array_equal(np.asarray(got), _model(array, *writes))
+        np.testing.assert_array_equal(np.asarray(got), row_writes_model(array, *writes))
 
 
-def test_default_method_donated_in_jit_matches_the_model():
+def test_default_method_donated_in_jit_matches_therow_writes_model():
     step = jax.jit(apply_staged_writes, donate_argnums=0)
     rng = np.random.default_rng(3)
     array = _values(rng, SHAPE[0] * SHAPE[1], "float32").reshape(SHAPE)
@@ -250,7 +240,7 @@ def test_default_method_donated_in_jit_matches_the_model():
                 *writes, "float32", shape=SHAPE, min_write_bucket=32, min_content_bucket=1024
             ),
         )
-        expected = _model(expected, *writes)
+        expected = row_writes_model(expected, *writes)
     np.testing.assert_array_equal(np.asarray(state), expected)
 
 
@@ -287,14 +277,14 @@ def _run_interpreted(array: np.ndarray, packed, block_size: int) -> np.ndarray:
 
 @pytest.mark.skipif(TORCH_REASON is not None, reason=TORCH_REASON or "")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_interpreted_kernel_matches_the_numpy_model(dtype):
+def test_interpreted_kernel_matches_the_numpyrow_writes_model(dtype):
     for array, writes in _batches(dtype, seed=4, spill=True):
         packed = pack_writes(*writes, dtype)
         block, _ = jax_triton_apply.launch_config(packed.rows.shape[0], packed.values.shape[0])
         # A block shorter than the writes exercises the block loop of the shared body.
         for block_size in sorted({block, 16}):
             got = _run_interpreted(array, packed, block_size)
-            np.testing.assert_array_equal(got, _model(array, *writes))
+            np.testing.assert_array_equal(got, row_writes_model(array, *writes))
 
 
 # -- the jax_triton lowering for CUDA, offline --------------------------------------------------
@@ -368,18 +358,6 @@ def test_triton_path_lowers_for_cuda_offline():
 
 
 # -- on the GPU ---------------------------------------------------------------------------------
-@pytest.fixture
-def gpu_triton():
-    """A JAX GPU backend with a working jax_triton, or a skip saying which is missing."""
-    if CUDA_REASON is not None:
-        pytest.skip(f"no usable CUDA GPU: {CUDA_REASON}")
-    if jax.default_backend() != "gpu":
-        pytest.skip(f"JAX has no GPU backend here (default backend {jax.default_backend()})")
-    reason = jax_triton_apply.jax_triton_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_matches_scatter_on_the_gpu(gpu_triton, dtype):
@@ -392,7 +370,7 @@ def test_triton_matches_scatter_on_the_gpu(gpu_triton, dtype):
             np.testing.assert_array_equal(
                 via_triton, np.asarray(scatter_step(jnp.asarray(array), packed))
             )
-            np.testing.assert_array_equal(via_triton, _model(array, *writes))
+            np.testing.assert_array_equal(via_triton, row_writes_model(array, *writes))
 
 
 @pytest.mark.gpu
@@ -408,7 +386,7 @@ def test_the_default_scatter_updates_a_donated_gpu_array_in_place():
     for _ in range(4):
         writes = _random_writes(rng, 64, "int32", shape=shape, max_len=100)
         state = step(state, pack_writes(*writes, "int32", shape=shape, min_write_bucket=64))
-        expected = _model(expected, *writes)
+        expected = row_writes_model(expected, *writes)
     assert state.unsafe_buffer_pointer() == pointer
     np.testing.assert_array_equal(np.asarray(state), expected)
 
@@ -430,7 +408,7 @@ def test_triton_updates_a_donated_array_in_place(gpu_triton, dtype):
             )
             state = step(state, packed)
             assert state.unsafe_buffer_pointer() == pointer, "the donated array was copied"
-            expected = _model(expected, *writes)
+            expected = row_writes_model(expected, *writes)
         np.testing.assert_array_equal(np.asarray(state), expected)
 
 
@@ -441,7 +419,8 @@ def test_triton_without_donation_leaves_the_input_alone(gpu_triton):
     got = jax.jit(lambda a, p: apply_staged_writes(a, p, method="triton"))(array, packed)
     assert not np.asarray(array).any()
     np.testing.assert_array_equal(
-        np.asarray(got), _model(np.zeros(SHAPE, np.int32), [0, 3], [1, 5], [[1, 2], [3, 4, 5]])
+        np.asarray(got),
+        row_writes_model(np.zeros(SHAPE, np.int32), [0, 3], [1, 5], [[1, 2], [3, 4, 5]]),
     )
 
 
@@ -455,4 +434,6 @@ def test_triton_long_writes_loop_over_blocks(gpu_triton):
         got = jax.jit(
             lambda a, p, b=block_size: jax_triton_apply.apply_packed_writes(a, p, block_size=b)
         )(jnp.zeros(shape, jnp.float32), packed)
-        np.testing.assert_array_equal(np.asarray(got), _model(np.zeros(shape, np.float32), *writes))
+        np.testing.assert_array_equal(
+            np.asarray(got), row_writes_model(np.zeros(shape, np.float32), *writes)
+        )

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import numpy as np
+from _timers import time_calls  # tools/, beside this script
 
 import jaxbuf
 from jaxbuf import _launch, interop
@@ -39,25 +40,13 @@ def main() -> None:
     values = np.arange(16, dtype=np.int32)
     spent: dict[str, float] = {}
 
-    def wrap(owner, name, label):
-        original = getattr(owner, name)
-
-        def timed(*a, **k):
-            start = time.perf_counter()
-            try:
-                return original(*a, **k)
-            finally:
-                spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
-
-        setattr(owner, name, timed)
-
-    wrap(writer, "_pack", "pack (C)")
-    wrap(writer, "_launch", "launch")
-    wrap(writer, "_clear", "clear")
+    time_calls(writer, "_pack", spent, "pack (C)")
+    time_calls(writer, "_launch", spent, "launch")
+    time_calls(writer, "_clear", spent, "clear")
     for name in ("ensure_context", "record_event", "stream_wait_event", "event_query"):
-        wrap(driver, name, f"driver.{name}")
-    wrap(interop, "current_stream", "interop.current_stream")
-    wrap(_launch.AppliedEvent, "wait", "slot event wait")
+        time_calls(driver, name, spent, f"driver.{name}")
+    time_calls(interop, "current_stream", spent, "interop.current_stream")
+    time_calls(_launch.AppliedEvent, "wait", spent, "slot event wait")
     sync = (lambda: driver.synchronize(device.index)) if device.is_cuda else (lambda: None)
 
     def stage():

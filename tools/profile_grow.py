@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from _timers import time_calls  # tools/, beside this script
+
 import jaxbuf
 
 
@@ -29,16 +31,7 @@ def main() -> None:
     driver = tensor.driver
     spent: dict[str, float] = {}
     for name in ("ensure_context", "create", "map", "set_access_many", "set_access"):
-        original = getattr(driver, name)
-
-        def timed(*a, _original=original, _name=name, **k):
-            start = time.perf_counter()
-            try:
-                return _original(*a, **k)
-            finally:
-                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - start
-
-        setattr(driver, name, timed)
+        time_calls(driver, name, spent)
     size = committed
     tensor.resize_per_segment_(size + step)  # warm up
     size += step
