@@ -6,14 +6,21 @@ on any thread (JAX calls it from its own) and possibly during interpreter shutdo
 must not touch Python; telling whether the interpreter is finalizing needs ``_Py_IsFinalizing``
 before 3.13, outside the limited API, so ``jaxbuf._capsule`` is built per Python version (see
 jaxbuf/_capsule.c). ``jaxbuf._staging`` is optional (staged.py falls back to Python without
-it); it needs the buffer protocol, outside the 3.10 limited API.
+it); it needs the buffer protocol, outside the 3.10 limited API, and numpy's C API (built
+against numpy 2, which runs with every numpy jaxbuf supports).
 """
 
+import numpy
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
         Extension("jaxbuf._capsule", sources=["jaxbuf/_capsule.c"]),
-        Extension("jaxbuf._staging", sources=["jaxbuf/_staging.c"], optional=True),
+        Extension(
+            "jaxbuf._staging",
+            sources=["jaxbuf/_staging.c"],
+            include_dirs=[numpy.get_include()],
+            optional=True,
+        ),
     ]
 )

@@ -789,3 +789,54 @@ def test_c_and_python_staging_paths_agree(cleanup):
         with pytest.raises(error):
             fast.stage_write(*bad, np.arange(2, dtype=np.int64))
     assert fast.num_staged_writes == slow.num_staged_writes == 6
+
+
+class _ArraySubclass(np.ndarray):
+    pass
+
+
+def _unusual_arrays(dtype: str) -> dict[str, np.ndarray]:
+    """Value arrays the C stager must not read as plain arrays of the target dtype (they take
+    the converting path) beside ones it may; every one holds 1, 2, 3, 4 as the target dtype."""
+    plain = np.arange(1, 5, dtype=dtype)
+    swapped = plain.astype(plain.dtype.newbyteorder())
+    readonly = plain.copy()
+    readonly.flags.writeable = False
+    return {
+        "plain": plain,
+        "byte-swapped": swapped,
+        "strided": np.repeat(plain, 2)[::2],
+        "other dtype": plain.astype(np.float64 if dtype == "int32" else np.int16),
+        "subclass": plain.view(_ArraySubclass),
+        "read-only": readonly,
+        "2-D row": plain.reshape(1, 4)[0],
+        "from a 2-D column": np.ascontiguousarray(plain.reshape(4, 1))[:, 0],
+    }
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float32", "float16", "int64"])
+def test_every_kind_of_value_array_is_staged_exactly(dtype, cleanup):
+    # The C stager reads exact, contiguous, native-order numpy arrays of the target dtype
+    # through numpy's C API; every other array goes through the buffer protocol or converts.
+    arrays = _unusual_arrays(dtype)
+    swt = _swt(cleanup, (len(arrays), 8), dtype, device="cpu")
+    for row, values in enumerate(arrays.values()):
+        swt.stage_write(row, row % 4, values)
+    swt.apply_write()
+    want = np.zeros((len(arrays), 8), dtype)
+    for row in range(len(arrays)):
+        want[row, row % 4 : row % 4 + 4] = [1, 2, 3, 4]
+    _assert_same(_read(swt), want)
+    # The same through the JAX stager's bulk path (one C loop, or the converting fallback).
+    pytest.importorskip("jax")
+    from jaxbuf.jax_ops import StagedWrites
+
+    staged = StagedWrites(len(arrays), 8, dtype)
+    staged.stage_writes(
+        list(range(len(arrays))), [r % 4 for r in range(len(arrays))], list(arrays.values())
+    )
+    packed = staged.pack()
+    got = np.zeros((len(arrays), 8), dtype)
+    kept = packed.element_rows != 2**31 - 1
+    got[packed.element_rows[kept], packed.element_cols[kept]] = packed.values[kept]
+    np.testing.assert_array_equal(got, want)
