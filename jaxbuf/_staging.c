@@ -421,15 +421,22 @@ static const char *native_format(const Py_buffer *view) {
     return f;
 }
 
-static int int64_column(PyObject *obj, Py_buffer *view, const char *name) {
+/* A 1-D C-contiguous integer column of itemsize 8 (int64) or 4 (int32); TypeError otherwise. */
+static int int_column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
     const char *f = native_format(view);
-    if (view->ndim != 1 || view->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) {
+    int matches = itemsize == 8 ? !strcmp(f, "q") || !strcmp(f, "l") : !strcmp(f, "i");
+    if (view->ndim != 1 || view->itemsize != itemsize || !matches) {
         PyBuffer_Release(view);
-        PyErr_Format(PyExc_TypeError, "%s must be a 1-D C-contiguous int64 array", name);
+        PyErr_Format(PyExc_TypeError, "%s must be a 1-D C-contiguous int%d array", name,
+                     (int)(itemsize * 8));
         return -1;
     }
     return 0;
+}
+
+static int int64_column(PyObject *obj, Py_buffer *view, const char *name) {
+    return int_column(obj, view, 8, name);
 }
 
 /* stage_columns(rows, starts, lengths, contents) -> -1 when every write is staged, else the
@@ -857,29 +864,23 @@ static PyObject *expand_elements(PyObject *module, PyObject *const *args, Py_ssi
                         "element_cols) takes 6 arguments");
         return NULL;
     }
-    Py_buffer in[4] = {{0}}, out[2] = {{0}};
-    int held_in = 0, held_out = 0;
+    static const char *names[6] = {"rows",    "starts",       "lengths",
+                                   "offsets", "element_rows", "element_cols"};
+    Py_buffer views[6] = {{0}};
+    int held = 0;
     PyObject *result = NULL;
-    for (; held_in < 4; held_in++) {
-        if (PyObject_GetBuffer(args[held_in], &in[held_in], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-            goto done;
-        const char *f = native_format(&in[held_in]);
-        if (in[held_in].ndim != 1 || in[held_in].itemsize != 4 || strcmp(f, "i") ||
-            in[held_in].shape[0] != in[0].shape[0]) {
-            held_in++;
-            PyErr_SetString(PyExc_ValueError,
-                            "rows, starts, lengths, offsets must be 1-D int32 of one length");
-            goto done;
-        }
+    for (; held < 6; held++) {
+        int status = held < 4 ? int_column(args[held], &views[held], 4, names[held])
+                              : int32_output(args[held], &views[held], 0, names[held]);
+        if (status < 0) goto done;
     }
-    for (; held_out < 2; held_out++) {
-        if (int32_output(args[4 + held_out], &out[held_out], 0,
-                         held_out ? "element_cols" : "element_rows") < 0)
-            goto done;
-    }
+    Py_buffer *in = views, *out = views + 4;
     Py_ssize_t writes = in[0].shape[0], elements = out[0].shape[0];
-    if (out[1].shape[0] != elements) {
-        PyErr_SetString(PyExc_ValueError, "element_rows and element_cols differ in length");
+    if (in[1].shape[0] != writes || in[2].shape[0] != writes || in[3].shape[0] != writes ||
+        out[1].shape[0] != elements) {
+        PyErr_SetString(PyExc_ValueError,
+                        "rows, starts, lengths, offsets must be of one length, and "
+                        "element_rows, element_cols of another");
         goto done;
     }
     const int32_t *rows = in[0].buf, *starts = in[1].buf, *lengths = in[2].buf;
@@ -912,9 +913,7 @@ static PyObject *expand_elements(PyObject *module, PyObject *const *args, Py_ssi
     }
     result = Py_NewRef(Py_None);
 done:
-    for (int i = 0; i < held_in && i < 4; i++)
-        if (in[i].obj != NULL) PyBuffer_Release(&in[i]);
-    for (int i = 0; i < held_out; i++) PyBuffer_Release(&out[i]);
+    for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     return result;
 }
 

@@ -98,15 +98,7 @@ class _HostShardExport:
     def __init__(self, view: BufferView, device_id: int) -> None:
         self._view = view
         self._device_id = device_id
-        self._payload = _dlpack.pack_payload(
-            view.ptr,
-            K_DL_CPU,
-            device_id,
-            view.dtype.dlpack_code,
-            view.dtype.itemsize * 8,
-            view.shape,
-            versioned=False,
-        )
+        self._payload = view._pack(versioned=False, device_type=K_DL_CPU, device_id=device_id)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (K_DL_CPU, self._device_id)

@@ -279,12 +279,16 @@ class BufferView:
         if event is not None:
             owner.driver.stream_wait_event(stream, event, self.device.index)
 
-    def _pack(self, versioned: bool, device_type: int | None = None) -> _dlpack.Payload:
-        """This view's managed tensor (``device_type`` overrides the device: a pinned view
-        exported to the host is ``(kDLCPU, 0)``)."""
+    def _pack(
+        self, versioned: bool, device_type: int | None = None, device_id: int | None = None
+    ) -> _dlpack.Payload:
+        """This view's managed tensor (``device_type`` / ``device_id`` override the device: a
+        pinned view exported to the host is ``(kDLCPU, 0)``, a host shard of
+        :mod:`jaxbuf.sharding` names the CPU device JAX places it on)."""
         if device_type is None:
             device_type = self.dlpack_device_type
-        device_id = self.device.index if device_type != K_DL_CPU and self.device.is_cuda else 0
+        if device_id is None:
+            device_id = self.device.index if device_type != K_DL_CPU and self.device.is_cuda else 0
         return _dlpack.pack_payload(
             self.ptr,
             device_type,

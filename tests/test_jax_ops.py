@@ -242,3 +242,19 @@ def test_element_indices_name_every_value_target(monkeypatch, expander, seed):
 def test_element_expansion_refuses_writes_outside_the_values():
     with pytest.raises(ValueError, match="outside"):
         PackedWrites([0], [0], [4], [0], np.array([1, 2, 3], np.int32))
+
+
+def test_expand_elements_checks_its_columns():
+    from jaxbuf.kernels.jax_staged import c_expand_elements
+
+    if c_expand_elements is None:
+        pytest.skip("the C extension is not built")
+    column = np.zeros(2, np.int32)
+    out = np.zeros(4, np.int32), np.zeros(4, np.int32)
+    with pytest.raises(TypeError, match="starts must be a 1-D C-contiguous int32"):
+        c_expand_elements(column, np.zeros(2, np.int64), column, column, *out)
+    with pytest.raises(ValueError, match="one length"):
+        c_expand_elements(column, column, np.zeros(3, np.int32), column, *out)
+    with pytest.raises(ValueError, match="element_cols must be a writable"):
+        c_expand_elements(column, column, column, column, out[0], np.zeros(4, np.int64))
+    assert out[0].tolist() == [0] * 4  # nothing written on an error
