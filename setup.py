@@ -7,7 +7,9 @@ must not touch Python; telling whether the interpreter is finalizing needs ``_Py
 before 3.13, outside the limited API, so ``jaxbuf._capsule`` is built per Python version (see
 jaxbuf/_capsule.c). ``jaxbuf._staging`` is optional (staged.py falls back to Python without
 it); it needs the buffer protocol, outside the 3.10 limited API, and numpy's C API (built
-against numpy 2, which runs with every numpy jaxbuf supports).
+against numpy 2, which runs with every numpy jaxbuf supports). ``jaxbuf.drivers._cuda_calls``
+(optional) makes the CUDA driver's hot calls through pointers the driver hands it; it links
+no CUDA library, so it builds on any machine.
 """
 
 import numpy
@@ -21,6 +23,10 @@ setup(
             sources=["jaxbuf/_staging.c"],
             include_dirs=[numpy.get_include()],
             optional=True,
+        ),
+        # Optional too: without it the CUDA driver calls everything through cuda.bindings.
+        Extension(
+            "jaxbuf.drivers._cuda_calls", sources=["jaxbuf/drivers/_cuda_calls.c"], optional=True
         ),
     ]
 )

@@ -53,8 +53,12 @@ def _module_files() -> dict[str, pathlib.Path]:
 
 
 MODULES = _module_files()
-# C extensions (jaxbuf._capsule, jaxbuf._staging): leaves, named by their sources.
-EXTENSIONS = {f"jaxbuf.{path.stem}" for path in (ROOT / "jaxbuf").glob("*.c")}
+# C extensions (jaxbuf._capsule, jaxbuf._staging, jaxbuf.drivers._cuda_calls): leaves, named
+# by their sources.
+EXTENSIONS = {
+    ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for path in (ROOT / "jaxbuf").rglob("*.c")
+}
 
 
 def _is_package(name: str) -> bool:

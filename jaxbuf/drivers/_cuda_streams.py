@@ -5,6 +5,12 @@ Producer work (memset, copy, ready events) goes on the legacy default stream of 
 primary context; consumer work (a staged apply's copy and launch, its event) on the stream the
 caller names. The methods use the driver's binding (``self._cu``), ``_check`` and
 ``ensure_context``.
+
+The calls a staged apply makes (context check, event query, copy, launch, event record) go
+through ``self._calls``, a :class:`jaxbuf.drivers._cuda_calls.EntryPoints` over the driver's
+own function pointers (``cuGetProcAddress``), when the C extension is built and the driver
+is the real one: cuda.bindings' argument and result conversions cost 1-3 µs a call on an
+H200 host, as much as the driver's work. ``c_calls_reason`` says why they are not used.
 """
 
 from __future__ import annotations
@@ -37,6 +43,39 @@ class CudaStreamWork:
         self._stream_handles: dict[int, Any] = {}
         # Raw CUstream handle (0: legacy) -> CUstream, for copy_on_stream.
         self._raw_stream_handles: dict[int, Any] = {}
+        # The hot calls in C (set once CUDA is probed), or None; and why not, when None.
+        self._calls: Any = None
+        self.c_calls_reason: str | None = "CUDA is not probed yet"
+        self._not_ready = -1
+
+    def _load_calls(self) -> Any:
+        """An ``EntryPoints`` over the driver's pointers for ``_cuda_calls.SYMBOLS``, or None
+        (then ``c_calls_reason`` says why). Needs cuInit to have run."""
+        try:
+            from jaxbuf.drivers._cuda_calls import CUDA_VERSION, SYMBOLS, EntryPoints
+        except ImportError as error:
+            self.c_calls_reason = f"the C extension is not built ({error})"
+            return None
+        cu = self._cu
+        flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
+        addresses = []
+        for name in SYMBOLS:
+            try:
+                result = cu.cuGetProcAddress(name.encode(), CUDA_VERSION, flags)
+            except Exception as error:  # an older binding's signature: keep the bindings
+                self.c_calls_reason = f"cuGetProcAddress({name}) raised {error!r}"
+                return None
+            if result[0] != self._success or not int(result[1]):
+                self.c_calls_reason = f"cuGetProcAddress({name}) gave {result[:2]}"
+                return None
+            addresses.append(int(result[1]))
+        self._not_ready = int(cu.CUresult.CUDA_ERROR_NOT_READY)
+        self.c_calls_reason = None
+        return EntryPoints(addresses)
+
+    def _raise_code(self, code: int, call: str, **sizes: Any) -> None:
+        """Raise the DriverError for the CUresult ``code`` a C call returned."""
+        raise DriverError(call, self._error_name(self._cu.CUresult(code)), **sizes)
 
     def memset(self, ptr: int, value: int, size: int, device_index: int) -> None:
         """``cuMemsetD8Async`` on the legacy default stream."""
@@ -65,6 +104,12 @@ class CudaStreamWork:
 
     def copy_on_stream(self, dst: int, src: int, size: int, stream: Any) -> None:
         """``cuMemcpyAsync`` on the raw ``stream`` handle, in the current context."""
+        calls = self._calls
+        if calls is not None:
+            error = calls.copy(dst, src, size, stream)
+            if error:
+                self._raise_code(error, "cuMemcpyAsync", dst=hex(dst), src=hex(src), size=size)
+            return
         handle = self._raw_stream_handles.get(stream)
         if handle is None:
             handle = self._raw_stream_handles[stream] = self._cu.CUstream(stream)
@@ -133,6 +178,13 @@ class CudaStreamWork:
             event = spare.pop()  # type: ignore[union-attr]
         except (AttributeError, IndexError):  # no spare list yet, or none spare
             event = self._new_event(device_index)
+        calls = self._calls
+        if calls is not None:
+            error = calls.record(event, handle)
+            if error:
+                self.destroy_event(event)
+                self._raise_code(error, "cuEventRecord", stream=hex(stream))
+            return event
         (error,) = self._cu.cuEventRecord(event, handle)
         if error != self._success:
             self.destroy_event(event)  # back to the spares; the record error is reported
@@ -151,6 +203,14 @@ class CudaStreamWork:
 
     def event_query(self, event: Any) -> bool:
         """``cuEventQuery``: True when done, False while ``CUDA_ERROR_NOT_READY``."""
+        calls = self._calls
+        if calls is not None:
+            error = calls.query(event)
+            if error == 0:
+                return True
+            if error == self._not_ready:
+                return False
+            self._raise_code(error, "cuEventQuery")
         (error,) = self._cu.cuEventQuery(event)
         if error == self._success:
             return True
@@ -164,6 +224,12 @@ class CudaStreamWork:
     # -- kernels --------------------------------------------------------------------
     def launch_kernel(self, function, grid, block, shared, stream, args) -> None:
         """``cuLaunchKernel`` (``kernelParams=args``) in the current context: the hot path."""
+        calls = self._calls
+        if calls is not None:
+            error = calls.launch(function, *grid, *block, shared, stream, args)
+            if error:
+                self._raise_code(error, "cuLaunchKernel", grid=grid, block=block, stream=stream)
+            return
         result = self._cu.cuLaunchKernel(function, *grid, *block, shared, stream, args, 0)
         if result[0] != self._success:
             self._check(result, "cuLaunchKernel", grid=grid, block=block, stream=stream)

@@ -40,6 +40,8 @@ try:
     from cuda.bindings import driver as _cu
 except ImportError:  # cuda-bindings is an optional extra; unavailable_reason says so.
     _cu = None
+# The module itself, which tests may replace as `_cu`: only a driver on it makes C calls.
+_CUDA_BINDINGS = _cu
 
 # cuda-bindings loads libcuda lazily, on the first driver call, through cuda-pathfinder,
 # which raises DynamicLibNotFoundError when no NVIDIA driver is installed. It is a
@@ -182,6 +184,12 @@ class CudaVmmDriver(CudaStreamWork, VmmDriver):
             # WSL's CUDA lacks parts of VMM and mapped pinned memory that jaxbuf relies on.
             return "CUDA virtual memory management is not supported under WSL."
         self._device_count = count
+        # cuInit has run, so the driver's entry points can be asked for. A stand-in binding
+        # (a HIP subclass's, a test's) keeps every call in the binding.
+        if self._cu is _CUDA_BINDINGS:
+            self._calls = self._load_calls()
+        else:
+            self.c_calls_reason = "the driver runs on a stand-in binding"
         return None
 
     def device_count(self) -> int:
@@ -205,10 +213,17 @@ class CudaVmmDriver(CudaStreamWork, VmmDriver):
     def ensure_context(self, device_index: int) -> None:
         """Make ``device_index``'s primary context current on this thread.
 
-        Fast when it already is: one ``cuCtxGetCurrent`` and an int compare.
+        Fast when it already is: one ``cuCtxGetCurrent`` and an int compare (in C, with the
+        driver's C calls).
         """
         cached = self._primary_contexts.get(device_index)
         if cached is not None:
+            calls = self._calls
+            if calls is not None:  # both calls in C (see _cuda_streams)
+                error = calls.make_current(cached[1])
+                if error:
+                    self._raise_code(error, "cuCtxSetCurrent", device=device_index)
+                return
             error, current = self._cu.cuCtxGetCurrent()
             if error == self._success and int(current) == cached[1]:
                 return

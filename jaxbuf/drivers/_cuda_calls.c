@@ -1,0 +1,270 @@
+/* The CUDA driver calls of a staged apply, made from C: jaxbuf.drivers._cuda_calls.
+ *
+ * cuda.bindings wraps every driver call in Python objects: converting a kernel launch's
+ * eleven arguments, or building a CUevent's result tuple, costs 1-3 us a call on an H200
+ * host, about as much as the driver itself. A staged apply makes four such calls (context
+ * check, slot event query, launch, event record), so the CUDA driver
+ * (jaxbuf/drivers/cuda.py) makes those through an EntryPoints instead: a handful of driver
+ * function pointers it got from cuGetProcAddress, called with plain integers.
+ *
+ * This module links no CUDA library and knows nothing of devices: every pointer comes from
+ * the driver object, which alone decides when they are valid (the layering of DESIGN.md:
+ * platform calls only through a driver). Each method returns the CUresult as an int and
+ * leaves error reporting to the driver. The GIL is released around each call: a launch can
+ * block while the device's queue is full, and JAX's threads (capsule deleters, host
+ * callbacks) must be able to run meanwhile.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef int CUresult; /* an enum in cuda.h: int-sized on every ABI CUDA supports */
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef void *CUevent;
+typedef void *CUfunction;
+typedef unsigned long long CUdeviceptr;
+
+/* The signatures of cuda.h (CUDA 12.0, the ABI version asked of cuGetProcAddress). */
+typedef CUresult (*CtxGetCurrentFn)(CUcontext *);
+typedef CUresult (*CtxSetCurrentFn)(CUcontext);
+typedef CUresult (*LaunchKernelFn)(CUfunction, unsigned int, unsigned int, unsigned int,
+                                   unsigned int, unsigned int, unsigned int, unsigned int,
+                                   CUstream, void **, void **);
+typedef CUresult (*EventRecordFn)(CUevent, CUstream);
+typedef CUresult (*EventQueryFn)(CUevent);
+typedef CUresult (*MemcpyAsyncFn)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+
+/* The order of SYMBOLS, which the driver looks up in this order. */
+enum { CTX_GET_CURRENT, CTX_SET_CURRENT, LAUNCH_KERNEL, EVENT_RECORD, EVENT_QUERY,
+       MEMCPY_ASYNC, NUM_SYMBOLS };
+static const char *const symbol_names[NUM_SYMBOLS] = {
+    "cuCtxGetCurrent", "cuCtxSetCurrent", "cuLaunchKernel",
+    "cuEventRecord",   "cuEventQuery",    "cuMemcpyAsync",
+};
+
+typedef struct {
+    PyObject_HEAD
+    void *entry[NUM_SYMBOLS];
+} EntryPoints;
+
+/* An address argument: an int, or anything with __int__ (cuda.bindings' CUevent, CUstream,
+ * CUfunction, CUcontext). -1 with an exception set on failure. */
+static int as_address(PyObject *object, uintptr_t *out) {
+    if (PyLong_Check(object)) {
+        *out = (uintptr_t)PyLong_AsUnsignedLongLong(object);
+    } else {
+        /* int(str) would parse text and int(float) truncate: neither is an address. */
+        if (PyUnicode_Check(object) || PyBytes_Check(object) || PyByteArray_Check(object) ||
+            PyFloat_Check(object) || Py_TYPE(object)->tp_as_number == NULL ||
+            Py_TYPE(object)->tp_as_number->nb_int == NULL) {
+            PyErr_Format(PyExc_TypeError, "expected an address (an int), got %R", object);
+            return -1;
+        }
+        PyObject *number = PyNumber_Long(object);
+        if (number == NULL) return -1;
+        *out = (uintptr_t)PyLong_AsUnsignedLongLong(number);
+        Py_DECREF(number);
+    }
+    return (*out == (uintptr_t)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* An unsigned int argument (grid and block sizes, shared bytes): OverflowError past 2**32. */
+static int as_uint(PyObject *object, unsigned int *out) {
+    unsigned long value = PyLong_AsUnsignedLong(object);
+    if (value == (unsigned long)-1 && PyErr_Occurred()) return -1;
+    if (value > 0xFFFFFFFFUL) {
+        PyErr_Format(PyExc_OverflowError, "%lu does not fit an unsigned int", value);
+        return -1;
+    }
+    *out = (unsigned int)value;
+    return 0;
+}
+
+static int check_count(const char *name, Py_ssize_t nargs, Py_ssize_t expected) {
+    if (nargs == expected) return 0;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, expected, nargs);
+    return -1;
+}
+
+static PyObject *entry_points_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *addresses;
+    static char *keywords[] = {"addresses", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:EntryPoints", keywords, &addresses))
+        return NULL;
+    PyObject *sequence = PySequence_Fast(addresses, "addresses must be a sequence of ints");
+    if (sequence == NULL) return NULL;
+    if (PySequence_Fast_GET_SIZE(sequence) != NUM_SYMBOLS) {
+        PyErr_Format(PyExc_ValueError, "addresses must name the %d functions of SYMBOLS, got %zd",
+                     NUM_SYMBOLS, PySequence_Fast_GET_SIZE(sequence));
+        Py_DECREF(sequence);
+        return NULL;
+    }
+    void *entry[NUM_SYMBOLS];
+    for (int i = 0; i < NUM_SYMBOLS; i++) {
+        uintptr_t address;
+        if (as_address(PySequence_Fast_GET_ITEM(sequence, i), &address) < 0) {
+            Py_DECREF(sequence);
+            return NULL;
+        }
+        if (address == 0) { /* cuGetProcAddress gives NULL for what the driver lacks */
+            PyErr_Format(PyExc_ValueError, "no address for %s", symbol_names[i]);
+            Py_DECREF(sequence);
+            return NULL;
+        }
+        entry[i] = (void *)address;
+    }
+    Py_DECREF(sequence);
+    EntryPoints *self = (EntryPoints *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    memcpy(self->entry, entry, sizeof entry);
+    return (PyObject *)self;
+}
+
+/* current_context() -> (CUresult, address of the current context, 0 for none) */
+static PyObject *current_context(EntryPoints *self, PyObject *unused) {
+    CUcontext context = NULL;
+    CUresult result;
+    Py_BEGIN_ALLOW_THREADS
+    result = ((CtxGetCurrentFn)self->entry[CTX_GET_CURRENT])(&context);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(iK)", result, (unsigned long long)(uintptr_t)context);
+}
+
+/* make_current(context) -> CUresult: cuCtxSetCurrent only when context is not current, so
+ * the common case is one cuCtxGetCurrent. */
+static PyObject *make_current(EntryPoints *self, PyObject *const *args, Py_ssize_t nargs) {
+    uintptr_t wanted;
+    if (check_count("make_current", nargs, 1) < 0 || as_address(args[0], &wanted) < 0)
+        return NULL;
+    CUcontext context = NULL;
+    CUresult result;
+    Py_BEGIN_ALLOW_THREADS
+    result = ((CtxGetCurrentFn)self->entry[CTX_GET_CURRENT])(&context);
+    if (result == 0 && (uintptr_t)context != wanted)
+        result = ((CtxSetCurrentFn)self->entry[CTX_SET_CURRENT])((CUcontext)wanted);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
+
+/* launch(function, grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes, stream,
+ * kernel_params) -> CUresult: cuLaunchKernel, kernel_params the address of the void*[] of
+ * the kernel's arguments (no "extra"). */
+static PyObject *launch(EntryPoints *self, PyObject *const *args, Py_ssize_t nargs) {
+    uintptr_t function, stream, params;
+    unsigned int dims[7]; /* grid x, y, z; block x, y, z; shared bytes */
+    if (check_count("launch", nargs, 10) < 0 || as_address(args[0], &function) < 0) return NULL;
+    for (int i = 0; i < 7; i++)
+        if (as_uint(args[1 + i], &dims[i]) < 0) return NULL;
+    if (as_address(args[8], &stream) < 0 || as_address(args[9], &params) < 0) return NULL;
+    CUresult result;
+    Py_BEGIN_ALLOW_THREADS
+    result = ((LaunchKernelFn)self->entry[LAUNCH_KERNEL])(
+        (CUfunction)function, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6],
+        (CUstream)stream, (void **)params, NULL);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
+
+/* record(event, stream) -> CUresult */
+static PyObject *record(EntryPoints *self, PyObject *const *args, Py_ssize_t nargs) {
+    uintptr_t event, stream;
+    if (check_count("record", nargs, 2) < 0 || as_address(args[0], &event) < 0 ||
+        as_address(args[1], &stream) < 0)
+        return NULL;
+    CUresult result;
+    Py_BEGIN_ALLOW_THREADS
+    result = ((EventRecordFn)self->entry[EVENT_RECORD])((CUevent)event, (CUstream)stream);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
+
+/* query(event) -> CUresult (0 done, CUDA_ERROR_NOT_READY pending) */
+static PyObject *query(EntryPoints *self, PyObject *const *args, Py_ssize_t nargs) {
+    uintptr_t event;
+    if (check_count("query", nargs, 1) < 0 || as_address(args[0], &event) < 0) return NULL;
+    CUresult result;
+    Py_BEGIN_ALLOW_THREADS
+    result = ((EventQueryFn)self->entry[EVENT_QUERY])((CUevent)event);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
+
+/* copy(dst, src, size, stream) -> CUresult: cuMemcpyAsync (unified addressing) */
+static PyObject *copy(EntryPoints *self, PyObject *const *args, Py_ssize_t nargs) {
+    uintptr_t dst, src, stream;
+    if (check_count("copy", nargs, 4) < 0 || as_address(args[0], &dst) < 0 ||
+        as_address(args[1], &src) < 0 || as_address(args[3], &stream) < 0)
+        return NULL;
+    size_t size = PyLong_AsSize_t(args[2]);
+    if (size == (size_t)-1 && PyErr_Occurred()) return NULL;
+    CUresult result;
+    Py_BEGIN_ALLOW_THREADS
+    result = ((MemcpyAsyncFn)self->entry[MEMCPY_ASYNC])((CUdeviceptr)dst, (CUdeviceptr)src, size,
+                                                        (CUstream)stream);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
+
+static PyMethodDef entry_points_methods[] = {
+    {"current_context", (PyCFunction)current_context, METH_NOARGS,
+     "current_context() -> (CUresult, current context address or 0)"},
+    {"make_current", (PyCFunction)(void (*)(void))make_current, METH_FASTCALL,
+     "make_current(context) -> CUresult; sets it only when another one is current"},
+    {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
+     "launch(function, gx, gy, gz, bx, by, bz, shared_bytes, stream, kernel_params) -> CUresult"},
+    {"record", (PyCFunction)(void (*)(void))record, METH_FASTCALL,
+     "record(event, stream) -> CUresult"},
+    {"query", (PyCFunction)(void (*)(void))query, METH_FASTCALL, "query(event) -> CUresult"},
+    {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
+     "copy(dst, src, size, stream) -> CUresult"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EntryPointsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "jaxbuf.drivers._cuda_calls.EntryPoints",
+    .tp_basicsize = sizeof(EntryPoints),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "EntryPoints(addresses): driver functions, in the order of SYMBOLS, called with "
+              "ints; each method returns the CUresult as an int.",
+    .tp_new = entry_points_new,
+    .tp_methods = entry_points_methods,
+};
+
+static struct PyModuleDef cuda_calls_module = {
+    PyModuleDef_HEAD_INIT, "_cuda_calls",
+    "The CUDA driver calls of a staged apply, made from C through driver-supplied pointers.",
+    -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__cuda_calls(void) {
+    if (PyType_Ready(&EntryPointsType) < 0) return NULL;
+    PyObject *module = PyModule_Create(&cuda_calls_module);
+    if (module == NULL) return NULL;
+    PyObject *symbols = PyTuple_New(NUM_SYMBOLS);
+    if (symbols == NULL) goto fail;
+    for (int i = 0; i < NUM_SYMBOLS; i++) {
+        PyObject *name = PyUnicode_FromString(symbol_names[i]);
+        if (name == NULL) {
+            Py_DECREF(symbols);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(symbols, i, name);
+    }
+    if (PyModule_AddObject(module, "SYMBOLS", symbols) < 0) {
+        Py_DECREF(symbols);
+        goto fail;
+    }
+    Py_INCREF(&EntryPointsType);
+    if (PyModule_AddObject(module, "EntryPoints", (PyObject *)&EntryPointsType) < 0) {
+        Py_DECREF(&EntryPointsType);
+        goto fail;
+    }
+    /* The ABI version asked of cuGetProcAddress for SYMBOLS (the signatures above). */
+    if (PyModule_AddIntConstant(module, "CUDA_VERSION", 12000) < 0) goto fail;
+    return module;
+fail:
+    Py_DECREF(module);
+    return NULL;
+}
