@@ -51,9 +51,11 @@ _MAX_CACHED_LAYOUTS = 64
 #: On CUDA an apply that packs at least this many bytes is first copied into device memory by
 #: one ``cuMemcpyAsync`` on the launch stream, and the kernel reads that copy: its programs
 #: then read device memory instead of making dependent reads of pinned host memory across
-#: the bus (H200, 4,096 writes: 89-99 µs end to end in place, 72 µs through the copy). Below
-#: it, the copy's own call costs about what it saves (256 writes: 26 KiB, no gain).
-DEVICE_COPY_MIN_BYTES = 64 << 10
+#: the bus. That wins at every size measured, so every CUDA apply copies (H200, one process,
+#: CUPTI kernel times: 256 writes, kernel 27 µs reading in place against 3.7 µs copy + 1.6 µs
+#: kernel, end to end 58 -> 39 µs; 4,096 writes, 54 µs against 23 + 4 µs, 108 -> 84 µs). A
+#: driver without ``copy_on_stream`` reads in place.
+DEVICE_COPY_MIN_BYTES = 0
 
 
 class _Layout:
@@ -79,7 +81,8 @@ class _Layout:
 
 
 class _Slot:
-    """One staging slot: pinned memory the packer fills and the kernel reads in place.
+    """One staging slot: pinned memory the packer fills; the kernel reads it, or on CUDA a
+    device copy of it.
 
     ``buffer`` is the :class:`~jaxbuf.uva.UvaBuffer` (None until first used: capacity 0),
     ``host`` / ``ptr`` its host and device-visible addresses, ``i64`` an int64 numpy view of
@@ -103,7 +106,8 @@ class FusedStagedWriter:
     """Applies the staged writes of several :class:`StagedWriteTensor` with one launch.
 
     Each apply builds the kernel's tables and packs every tensor's staged bytes into the next
-    of ``max_concurrency`` pinned (UVA) staging slots, which the kernel reads in place; a slot
+    of ``max_concurrency`` pinned (UVA) staging slots (on CUDA copied to device memory on the
+    launch stream, see :data:`DEVICE_COPY_MIN_BYTES`, else read in place); a slot
     grows (to a power of two) when an apply needs more. Tensors may have different dtypes.
 
     **Slot reuse.** A slot is written again ``max_concurrency`` applies later. With

@@ -125,7 +125,17 @@ class PackRing:
     [0, 0, 0, 1, 2, 0, 0, 0]
     """
 
-    __slots__ = ("_device", "_driver", "_slots", "_next", "_last", "_min_words", "_closed")
+    __slots__ = (
+        "_device",
+        "_driver",
+        "_slots",
+        "_next",
+        "_last",
+        "_min_words",
+        "_closed",
+        "_scratch_key",
+        "_scratch_staged",
+    )
 
     def __init__(
         self,
@@ -142,6 +152,9 @@ class PackRing:
         self._next = 0
         self._last: _Slot | None = None
         self._closed = False
+        # The StagedWrites pack_writes(..., ring=self) stages into, and its arguments.
+        self._scratch_key: Any = None
+        self._scratch_staged: StagedWrites | None = None
 
     def __repr__(self) -> str:
         state = ", closed" if self._closed else ""
@@ -213,6 +226,20 @@ class PackRing:
         self._last = slot
         self._next = (self._next + 1) % len(self._slots)
         return PackedWrites._wrap(leaf, host.num_writes, host.num_values, host.dtype)
+
+    def _scratch(self, arguments: tuple, make: Any) -> StagedWrites:
+        """The StagedWrites that :func:`~jaxbuf.kernels.jax_staged.pack_writes` stages a batch
+        into before packing it here: kept from call to call while ``arguments`` (its
+        constructor's) stay the same, ``make(*arguments)`` otherwise. Empty between calls."""
+        self._check_open()
+        try:
+            same = arguments == self._scratch_key
+        except TypeError:  # an unhashable or odd dtype spec: no reuse
+            same = False
+        if not same or self._scratch_staged is None:
+            staged = make(*arguments)  # validates: a bad argument leaves the old one
+            self._scratch_key, self._scratch_staged = arguments, staged
+        return self._scratch_staged
 
     def _wait(self, slot: _Slot) -> None:
         """Return once nothing may still read ``slot``: its guard is ready, or else the
@@ -303,6 +330,7 @@ class PackRing:
         Idempotent; after a driver failure, calling it again frees the rest."""
         self._closed = True
         self._last = None
+        self._scratch_key = self._scratch_staged = None
         if any(slot.buffer is not None for slot in self._slots):
             # Pending readers first: an import dropped while a computation still reads it
             # would release its export (and so the memory) only later, on JAX's thread.

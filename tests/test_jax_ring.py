@@ -126,6 +126,56 @@ def test_own_jitted_step_with_pack_writes_and_consumed_by(dtype):
         np.testing.assert_array_equal(np.asarray(array), expected)
 
 
+def test_pack_writes_through_a_ring_reuses_its_staging_and_fails_clean(counting):
+    """pack_writes(..., ring=) stages into one StagedWrites the ring keeps (its buffers stay
+    allocated): batches of changing shapes and dtypes match the model, a call that fails (bad
+    input, a driver fault) leaves nothing staged for the next, and a closed ring refuses."""
+    rng = np.random.default_rng(5)
+    arrays = {"int32": jnp.zeros(SHAPE, jnp.int32), "float16": jnp.zeros(SHAPE, jnp.float16)}
+    models = {dtype: np.zeros(SHAPE, jnp.dtype(dtype)) for dtype in arrays}
+
+    @jax.jit
+    def step(a, packed):
+        return apply_staged_writes(a, packed, method="scatter")
+
+    with PackRing(1, device="cpu", driver=counting, min_words=64) as ring:
+        scratches = []
+        for i in range(10):
+            dtype = "int32" if i % 3 else "float16"
+            writes = _random_writes(rng, int(rng.integers(1, 20)), dtype)
+            if i == 4:  # out of bounds: IndexError after the valid writes were looked at
+                with pytest.raises(IndexError):
+                    pack_writes(
+                        *[w + [SHAPE[0]] for w in writes[:2]],
+                        [*writes[2], [1]],
+                        dtype,
+                        shape=SHAPE,
+                        ring=ring,
+                    )
+            if i == 6:  # the wait for the slot fails: nothing packed, nothing left staged
+                arrays[dtype] = step(
+                    arrays[dtype], pack_writes(*writes, dtype, shape=SHAPE, ring=ring)
+                )
+                models[dtype] = row_writes_model(models[dtype], *writes)
+                counting.fail_on("synchronize")
+                junk = _random_writes(rng, 5, dtype)  # never applied: must not stay staged
+                with pytest.raises(DriverError):
+                    pack_writes(*junk, dtype, shape=SHAPE, ring=ring)
+            packed = pack_writes(*writes, dtype, shape=SHAPE, ring=ring)
+            scratches.append(ring._scratch_staged)
+            assert ring._scratch_staged.num_staged_writes == 0
+            arrays[dtype] = ring.consumed_by(step(arrays[dtype], packed))
+            models[dtype] = row_writes_model(models[dtype], *writes)
+        for dtype in arrays:
+            np.testing.assert_array_equal(np.asarray(arrays[dtype]), models[dtype])
+        assert scratches[1] is scratches[2]  # the same arguments: the same StagedWrites
+        assert scratches[2] is not scratches[3]  # another dtype: another one
+    with pytest.raises(RuntimeError, match="closed"):
+        pack_writes([0], [0], [[1]], "int32", shape=SHAPE, ring=ring)
+    with pytest.raises(TypeError, match="PackRing"):
+        pack_writes([0], [0], [[1]], "int32", shape=SHAPE, ring=object())
+
+
 def test_the_slot_holds_what_a_fresh_pack_holds():
     rng = np.random.default_rng(2)
     staged = StagedWrites(*SHAPE, "float16")
