@@ -6,8 +6,10 @@ One apply of 256 and 4,096 writes of 16 int32 over 4 tables of 1024 x 4096, per 
 overlap), host time and end to end, each against the seed-style apply
 (:class:`jaxbuf.bench.staged._SeedStyleWriter`) and torch ``index_put_``, with the issue's
 targets on the GPU: the own-row apply of 256 writes <= 12 µs host and <= 25 µs end to end,
-of 4,096 <= 80 µs end to end; "rows repeat" and "random" <= 1.3x "own row" end to end. Then
-the launch alone: direct ``cuLaunchKernel`` against Triton's launcher (host time).
+of 4,096 <= 80 µs end to end; "rows repeat" and "random" <= 1.3x "own row" end to end
+(jaxbuf's end-to-end samples are taken round by round over the patterns, so that host drift
+falls on all alike). Then the launch alone: direct ``cuLaunchKernel`` against Triton's
+launcher (host time).
 
 Every pattern is first checked: jaxbuf's apply against a numpy model in which later writes
 win; the baselines too where no two writes overlap (they define no order among overlapping
@@ -18,13 +20,16 @@ but every row and check runs.
 
 from __future__ import annotations
 
+import gc
+import statistics
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from jaxbuf.bench import Row, Sizes, suite
-from jaxbuf.bench._timing import device_event_timer, device_synchronizer, measure
+from jaxbuf.bench._timing import Timing, device_event_timer, device_synchronizer, measure
 from jaxbuf.bench.staged import _NUM_TABLES, _SeedStyleTensor, _SeedStyleWriter
 
 _PATTERN_ROWS = 1024
@@ -160,7 +165,8 @@ def _pattern_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
             ).device_median_s
         return timing
 
-    own_row_e2e = None
+    measured = []  # per pattern: (pattern, overlapping, host, seed and index_put timings)
+    stagers = {}
     try:
         for pattern in PATTERNS:
             work = pattern_writes(pattern, num_writes)
@@ -224,14 +230,18 @@ def _pattern_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
             seed_host = timed(seed_apply, stage_seed, False)
             put_host = timed(index_put, lambda: None, False)
             if device.is_cuda:
-                e2e = timed(apply, stage_jaxbuf, True)
                 seed_e2e = timed(seed_apply, stage_seed, True)
                 put_e2e = timed(index_put, lambda: None, True)
             else:
-                e2e, seed_e2e, put_e2e = host, seed_host, put_host
-            if pattern == "own row":
-                own_row_e2e = e2e.median_s
-
+                seed_e2e, put_e2e = seed_host, put_host
+            measured.append((pattern, overlapping, host, seed_host, put_host, seed_e2e, put_e2e))
+            stagers[pattern] = stage_jaxbuf
+        # jaxbuf's end to end, the flatness targets' numbers: every pattern sampled round by
+        # round, so that the host's drift falls on all of them alike.
+        e2es = _interleaved_end_to_end(stagers, writer, tables, sync, repeat, warmup)
+        own_row_e2e = e2es["own row"]
+        for pattern, overlapping, host, seed_host, put_host, seed_e2e, put_e2e in measured:
+            e2e = Timing(e2es[pattern], [])
             notes = _launch_path(writer, device)
             if overlapping:
                 notes += "; overlapping writes: baselines' order undefined"
@@ -273,6 +283,35 @@ def _pattern_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         writer.close()
         for swt in tables:
             swt.close()
+
+
+def _interleaved_end_to_end(
+    stagers: dict[str, Any], writer: Any, tables: list, sync: Any, repeat: int, warmup: int
+) -> dict[str, float]:
+    """Median end-to-end time of ``writer.apply(tables)`` after each ``stagers[pattern]()``
+    (untimed, after a synchronize), the patterns sampled round by round (order reversed
+    every other round), the garbage collector paused while timing."""
+    samples: dict[str, list[float]] = {pattern: [] for pattern in stagers}
+    order = list(stagers)
+    gc_was_enabled = gc.isenabled()
+    try:
+        for i in range(warmup + repeat):
+            for pattern in order if i % 2 == 0 else reversed(order):
+                sync()
+                stagers[pattern]()
+                gc.disable()
+                start = time.perf_counter()
+                writer.apply(tables)
+                sync()
+                elapsed = time.perf_counter() - start
+                if gc_was_enabled:
+                    gc.enable()
+                if i >= warmup:
+                    samples[pattern].append(elapsed)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return {pattern: statistics.median(times) for pattern, times in samples.items()}
 
 
 def _launch_row(device: Any, quick: bool) -> Row:
