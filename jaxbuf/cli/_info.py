@@ -34,7 +34,15 @@ def run(args: argparse.Namespace) -> int:
             continue
         driver = get_vmm_driver(name)
         count = driver.device_count()
-        driver_rows.append([name, "works", f"{count} device(s)"])
+        details = f"{count} device(s)"
+        if name == "cuda":  # how the staged apply's driver calls are made
+            reason = getattr(driver, "c_calls_reason", None)
+            details += (
+                "; hot calls from C"
+                if reason is None
+                else f"; hot calls via cuda.bindings: {reason}"
+            )
+        driver_rows.append([name, "works", details])
         for index in range(count):
             device = name if name == "cpu" else f"cuda:{index}"
             commit_kib = granule_size(device) // 1024
