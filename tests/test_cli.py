@@ -173,6 +173,43 @@ def test_bench_only_selects_by_prefix(tmp_path):
     assert [s["name"] for s in document["suites"]] == ["extensible.views"]
 
 
+@pytest.mark.parametrize(
+    "only, platform_allocator",
+    [("extensible.views", False), ("extensible.release", True)],
+)
+def test_bench_pins_jax_to_fresh_allocations_only_for_suites_that_need_it(
+    tmp_path, only, platform_allocator
+):
+    """Suites registered with fresh_jax_allocations (realloc baselines) run JAX on its
+    platform allocator; a run of others keeps JAX's pool, as a JAX user runs."""
+    json_path = tmp_path / "run.json"
+    environment = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_ALLOCATOR"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxbuf",
+            "bench",
+            "--device",
+            "cpu",
+            "--quick",
+            "--only",
+            only,
+            "--json",
+            str(json_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env=environment,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    recorded = json.loads(json_path.read_text())["environment"]
+    expected = {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"} if platform_allocator else {}
+    assert {k: v for k, v in recorded.items() if k == "XLA_PYTHON_CLIENT_ALLOCATOR"} == expected
+
+
 BAD_DEVICES = ["tpu", "cuda:99", "cuda:x", "-1"]
 if cuda_unavailable_reason() is not None:
     BAD_DEVICES.append("cuda")

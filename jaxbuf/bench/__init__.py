@@ -43,10 +43,12 @@ Rules for suites:
   :mod:`jaxbuf.bench._timing`; put what the plot or a reader needs into ``Row.params``
   (plain JSON values).
 
-Suites run in one process, in registration order (the modules in alphabetical order). The
-command runs JAX with ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` (unless set): every JAX
-allocation is a fresh device allocation, returned on release, as realloc baselines need;
-time JAX work that allocates with that in mind.
+Suites run in one process, in registration order (the modules in alphabetical order). When a
+selected suite is registered with ``fresh_jax_allocations=True`` (its baselines reallocate, or
+it reports device memory), the command runs JAX with ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``
+(unless set): every JAX allocation is then a fresh device allocation, returned on release, and
+every other JAX suite in that run pays for it too (tens to hundreds of µs a jitted call). Time
+JAX hot paths alone (``--only jax.staged``), under JAX's default pool, as a JAX user runs.
 """
 
 from __future__ import annotations
@@ -201,6 +203,7 @@ class Suite:
     function: SuiteFunction
     description: str
     requires: tuple[str, ...] = ()
+    fresh_jax_allocations: bool = False
 
     def missing_requirement(self) -> str | None:
         """Why this suite cannot run here (the first missing requirement), or None."""
@@ -238,9 +241,13 @@ def _first_paragraph(doc: str | None) -> str:
     return " ".join(paragraph.split())
 
 
-def suite(name: str, *, requires: Sequence[str] = ()) -> Callable[[SuiteFunction], SuiteFunction]:
+def suite(
+    name: str, *, requires: Sequence[str] = (), fresh_jax_allocations: bool = False
+) -> Callable[[SuiteFunction], SuiteFunction]:
     """Register the decorated function as the benchmark suite ``name``, which cannot run
-    without the optional modules ``requires`` (import names: ``"torch"``, ``"triton"``)."""
+    without the optional modules ``requires`` (import names: ``"torch"``, ``"triton"``).
+    ``fresh_jax_allocations``: its numbers need JAX to allocate from the device each time
+    (realloc baselines, memory readings), not from its pool (see the module docstring)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"suite name must be a non-empty string, got {name!r}")
     if isinstance(requires, str) or not all(isinstance(m, str) and m for m in requires):
@@ -250,7 +257,9 @@ def suite(name: str, *, requires: Sequence[str] = ()) -> Callable[[SuiteFunction
         if name in SUITES and SUITES[name].function is not function:
             raise ValueError(f"benchmark suite {name!r} is registered twice")
         description = _first_paragraph(function.__doc__)
-        SUITES[name] = Suite(name, function, description, tuple(requires))
+        SUITES[name] = Suite(
+            name, function, description, tuple(requires), bool(fresh_jax_allocations)
+        )
         return function
 
     return register

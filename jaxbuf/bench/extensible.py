@@ -308,7 +308,7 @@ def _floor_row(
 # --------------------------------------------------------------------------------------
 # Suites
 # --------------------------------------------------------------------------------------
-@suite("extensible.growth")
+@suite("extensible.growth", fresh_jax_allocations=True)
 def growth(device: Any, quick: bool) -> Iterator[Row | Sizes]:
     """One grow against the raw driver calls it needs (the floor), realloc+copy (torch,
     JAX) and the seed-style buffer."""
@@ -483,7 +483,7 @@ def growth(device: Any, quick: bool) -> Iterator[Row | Sizes]:
         yield result
 
 
-@suite("extensible.release")
+@suite("extensible.release", fresh_jax_allocations=True)
 def release(device: Any, quick: bool) -> Iterator[Row | Sizes]:
     """release_physical + recommit of the whole buffer, against the raw driver calls it
     needs (the floor) and the seed-style buffer."""

@@ -342,7 +342,7 @@ def _check_agreement(schedule: _Schedule, runs: dict[str, _Run]) -> None:
             )
 
 
-@suite("jax.decode", requires=("jax",))
+@suite("jax.decode", requires=("jax",), fresh_jax_allocations=True)
 def decode_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
     """A JAX decode loop over a paged KV cache growing in jaxbuf memory, against a preallocated
     JAX cache and realloc+copy: per-step time and memory."""

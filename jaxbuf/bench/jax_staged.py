@@ -35,6 +35,7 @@ checked against a numpy model before the rows are reported. Only the public
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -237,7 +238,8 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         f"{_PLAIN}, end to end",
         plain_s,
         notes="PackRing: the apply reads the packed writes in place; both wait for the array "
-        "(block_until_ready); donated; the two sampled alternately",
+        "(block_until_ready); donated; the two sampled alternately; JAX allocator: "
+        + os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default (pool)"),
         params={
             "num_writes": num_writes,
             "kind": "jax-staged-end-to-end",

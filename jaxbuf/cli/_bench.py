@@ -314,10 +314,6 @@ def _suite_title(result: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Baselines reallocate to sizes never allocated before: JAX must not serve them from
-    # its pool (nor keep tens of GiB pooled for the suites after them), as torch's cache
-    # is emptied between samples. Set before JAX starts; a user's setting wins.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
     device = resolve_device(args.device)
     if args.plot is not None:
         require("matplotlib", "--plot")
@@ -327,6 +323,12 @@ def run(args: argparse.Namespace) -> int:
         suites = bench.select_suites(args.only)
     except ValueError as error:
         raise CliError(one_line(error)) from None
+    if any(s.fresh_jax_allocations for s in suites):
+        # Realloc baselines reallocate to sizes never allocated before: JAX must not serve
+        # them from its pool (nor keep tens of GiB pooled for the suites after them), as
+        # torch's cache is emptied between samples. Set before JAX starts (no suite has run
+        # yet); a user's setting wins. The JSON records it under "environment".
+        os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
     out = Printer()
     for module, message in bench.load_errors.items():
         print(
