@@ -111,6 +111,11 @@ class PackRing:
         Default: the device's driver (tests pass a fault-injecting one).
     min_words : int
         Each slot's first capacity, in int32 words (default 4096, 16 KiB).
+    expand : bool, optional
+        Whether packs carry every value's row and column (:attr:`PackedWrites.expanded`).
+        Default: not on a GPU, where the scatter computes them in a few µs of device time
+        and the host writes (and the device reads across the bus) less than half the bytes;
+        yes on the CPU, where XLA's scatter runs faster from host-written indices.
 
     Examples
     --------
@@ -132,6 +137,7 @@ class PackRing:
         "_next",
         "_last",
         "_min_words",
+        "_expand",
         "_closed",
         "_scratch_key",
         "_scratch_staged",
@@ -144,10 +150,14 @@ class PackRing:
         *,
         driver: Any = None,
         min_words: int = _DEFAULT_MIN_WORDS,
+        expand: bool | None = None,
     ) -> None:
         count = as_max_concurrency(max_concurrency)
         self._min_words = as_count(min_words, "min_words")
+        if expand is not None and not isinstance(expand, bool):
+            raise TypeError(f"expand must be a bool or None, got {expand!r}")
         self._device, self._driver = resolve(device, driver)
+        self._expand = (not self._device.is_cuda) if expand is None else expand
         self._slots = [_Slot() for _ in range(count)]
         self._next = 0
         self._last: _Slot | None = None
@@ -160,7 +170,7 @@ class PackRing:
         state = ", closed" if self._closed else ""
         return (
             f"PackRing(max_concurrency={len(self._slots)}, device={self._device}, "
-            f"capacities={self.capacities}{state})"
+            f"expand={self._expand}, capacities={self.capacities}{state})"
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -199,33 +209,41 @@ class PackRing:
             raise RuntimeError(f"{self!r} is closed: make a new PackRing to pack again")
 
     # -- packing -----------------------------------------------------------------------------
-    def pack(self, staged: StagedWrites, *, clear: bool = True) -> PackedWrites:
+    def pack(
+        self, staged: StagedWrites, *, clear: bool = True, expand: bool | None = None
+    ) -> PackedWrites:
         """``staged``'s writes packed (as :meth:`StagedWrites.pack`) into the next slot; the
         result's leaf is the slot's JAX array, for ``jit`` only (never ``np.asarray`` it).
 
         The result is valid until the slot comes round again, ``max_concurrency`` packs
         later (the slot then holds that pack): apply it before then. RuntimeError once the
-        ring is closed; a failure leaves ``staged`` as it was."""
+        ring is closed; a failure leaves ``staged`` as it was. ``expand``: as in
+        :meth:`StagedWrites.pack`; default: the ring's (see the class docstring)."""
         self._check_open()
         if not isinstance(staged, StagedWrites):
             raise TypeError(f"staged must be a StagedWrites, got {staged!r}")
+        if expand is None:
+            expand = self._expand
+        elif not isinstance(expand, bool):
+            raise TypeError(f"expand must be a bool or None, got {expand!r}")
         _register_pytree()
         slot = self._slots[self._next]
         leaf = None
 
-        def allocate(num_writes: int, num_values: int, dtype: Any) -> PackedWrites:
+        def allocate(num_writes: int, num_values: int, dtype: Any, expand: bool) -> PackedWrites:
             nonlocal leaf
-            words = _packed_words(num_writes, num_values, dtype)
+            words = _packed_words(num_writes, num_values, dtype, expand)
             self._wait(slot)
             self._ensure_capacity(slot, words)
             leaf = self._leaf(slot, words)
-            return PackedWrites._wrap(slot.buffer.np[:words], num_writes, num_values, dtype)
+            host = slot.buffer.np[:words]
+            return PackedWrites._wrap(host, num_writes, num_values, dtype, expand)
 
-        host = staged._pack_into(allocate, clear)
+        host = staged._pack_into(allocate, clear, expand)
         slot.leaf, slot.pending, slot.guard = leaf, True, None
         self._last = slot
         self._next = (self._next + 1) % len(self._slots)
-        return PackedWrites._wrap(leaf, host.num_writes, host.num_values, host.dtype)
+        return PackedWrites._wrap(leaf, host.num_writes, host.num_values, host.dtype, expand)
 
     def _scratch(self, arguments: tuple, make: Any) -> StagedWrites:
         """The StagedWrites that :func:`~jaxbuf.kernels.jax_staged.pack_writes` stages a batch

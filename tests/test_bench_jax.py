@@ -122,8 +122,10 @@ def test_staged_rows(jax_bench):
             "jax-staged-pack",
         }
         device_rows = [r for r in mine if r["params"]["kind"] == "jax-staged-device"]
-        # Device time per apply: on the CPU the scatter only; the target is the GPU's.
-        assert [r["params"]["method"] for r in device_rows] == ["scatter"]
+        # Device time per apply: on the CPU the scatter only, on expanded and unexpanded
+        # packs; the target is the GPU's.
+        assert [r["params"]["method"] for r in device_rows] == ["scatter", "scatter, unexpanded"]
+        assert all(r["target"] == "" for r in device_rows)
         assert (
             device_rows[0]["target"] == ""
             and "chained in one jitted function" in device_rows[0]["notes"]

@@ -12,6 +12,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxbuf.jax_ops import (  # noqa: E402
     MIN_BUCKET,
     PackedWrites,
+    StagedWrites,
     apply_staged_writes,
     bucket_size,
     pack_writes,
@@ -237,6 +238,39 @@ def test_element_indices_name_every_value_target(monkeypatch, expander, seed):
     assert len(set(targets.tolist())) == targets.size
     assert (element_cols[~kept] == 2**31 - 1).all()
     assert kept.sum() == int(packed.lengths.sum())
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float16", "int8", "bfloat16"])
+@pytest.mark.parametrize("seed", range(3))
+def test_unexpanded_packs_apply_the_same_through_the_device_side_indices(dtype, seed):
+    """A pack without element indices (expand=False: the layout a GPU PackRing uses) is
+    shorter by exactly those columns, and the scatter, which then computes every value's
+    row and column inside jit, gives the expanded pack's (the model's) result."""
+    rng = np.random.default_rng(seed)
+    rows, starts, values_list = _random_writes(rng, int(rng.integers(0, 40)), dtype)
+    expanded = pack_writes(rows, starts, values_list, dtype, shape=SHAPE)
+    lean = pack_writes(rows, starts, values_list, dtype, shape=SHAPE, expand=False)
+    assert expanded.expanded and not lean.expanded
+    assert lean.buffer.shape[0] == expanded.buffer.shape[0] - 2 * expanded.num_values
+    np.testing.assert_array_equal(lean.buffer, expanded.buffer[: lean.buffer.shape[0]])
+    with pytest.raises(ValueError, match="no element indices"):
+        lean.element_rows
+    initial = np.asarray(rng.integers(-50, 50, SHAPE), jnp.dtype(dtype))
+    apply = jax.jit(lambda a, p: apply_staged_writes(a, p, method="scatter"))
+    want = row_writes_model(initial.copy(), rows, starts, values_list)
+    for packed in (expanded, lean):
+        np.testing.assert_array_equal(np.asarray(apply(jnp.asarray(initial), packed)), want)
+
+
+def test_expand_must_be_a_bool():
+    staged = StagedWrites(*SHAPE, "int32")
+    staged.stage_write(0, 0, [1])
+    for bad in ("yes", 1, 0.0):
+        with pytest.raises(TypeError, match="expand"):
+            staged.pack(expand=bad)
+        with pytest.raises(TypeError, match="expand"):
+            pack_writes([0], [0], [[1]], "int32", shape=SHAPE, expand=bad)
+    assert staged.num_staged_writes == 1  # the refused packs changed nothing
 
 
 def test_element_expansion_refuses_writes_outside_the_values():

@@ -84,14 +84,16 @@ def quiesces(monkeypatch):
 # -- correctness against the model ---------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("slots", [1, 2, 3])
-def test_random_batches_through_the_ring_match_therow_writes_model(dtype, slots):
+@pytest.mark.parametrize("expand", [None, False])  # None: the CPU's default, expanded
+def test_random_batches_through_the_ring_match_therow_writes_model(dtype, slots, expand):
     rng = np.random.default_rng(slots)
     np_dtype = jnp.dtype(dtype)
     expected = np.zeros(SHAPE, np_dtype)
     array = jnp.asarray(expected)
     staged = StagedWrites(*SHAPE, dtype)
     # A small first capacity, and batches growing, so slots are reused and grown.
-    with PackRing(slots, device="cpu", min_words=64) as ring:
+    with PackRing(slots, device="cpu", min_words=64, expand=expand) as ring:
+        assert ring.pack(StagedWrites(*SHAPE, dtype)).expanded is (expand is None)
         for step in range(12):
             writes = _random_writes(rng, int(rng.integers(0, 8 + 12 * step)), dtype)
             staged.stage_writes(*writes)

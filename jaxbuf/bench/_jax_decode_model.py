@@ -217,6 +217,8 @@ class _Model:
         self.no_rows = self.put(
             (np.full(b, b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32))
         )  # row index b is out of range: the scatter drops every entry
+        # Unexpanded on a GPU, as the PackRing's packs there: one compiled step for both.
+        self.expand = not device.is_cuda
         self.no_writes = self.put(self.pack([], [], []))
 
     def put(self, value: Any) -> Any:
@@ -238,6 +240,7 @@ class _Model:
             min_write_bucket=b,
             min_content_bucket=b,
             ring=ring,
+            expand=self.expand,
         )
 
     def empty_cache(self, pages: int) -> Any:
