@@ -262,6 +262,23 @@ def test_unexpanded_packs_apply_the_same_through_the_device_side_indices(dtype, 
         np.testing.assert_array_equal(np.asarray(apply(jnp.asarray(initial), packed)), want)
 
 
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_device_side_indices_equal_the_host_expansion(platform):
+    """Both ways the scatter computes an unexpanded pack's indices inside jit (the GPU's
+    binary search, the CPU's prefix sum; either runs anywhere) give exactly the element rows
+    and columns the host writes into an expanded pack, padding included."""
+    from jaxbuf.kernels.jax_staged import _element_indices
+
+    rng = np.random.default_rng(7)
+    indices = jax.jit(lambda p: _element_indices(p, platform))
+    for _ in range(25):
+        writes = _random_writes(rng, int(rng.integers(0, 40)), "int32")
+        expanded = pack_writes(*writes, "int32", shape=SHAPE)
+        rows, cols = indices(pack_writes(*writes, "int32", shape=SHAPE, expand=False))
+        np.testing.assert_array_equal(np.asarray(rows), expanded.element_rows)
+        np.testing.assert_array_equal(np.asarray(cols), expanded.element_cols)
+
+
 def test_expand_must_be_a_bool():
     staged = StagedWrites(*SHAPE, "int32")
     staged.stage_write(0, 0, [1])
