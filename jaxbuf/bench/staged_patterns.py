@@ -7,9 +7,9 @@ overlap), host time and end to end, each against the seed-style apply
 (:class:`jaxbuf.bench.staged._SeedStyleWriter`) and torch ``index_put_``, with the issue's
 targets on the GPU: the own-row apply of 256 writes <= 12 µs host and <= 25 µs end to end,
 of 4,096 <= 80 µs end to end; "rows repeat" and "random" <= 1.3x "own row" end to end
-(jaxbuf's end-to-end samples are taken round by round over the patterns, so that host drift
-falls on all alike). Then the launch alone: direct ``cuLaunchKernel`` against Triton's
-launcher (host time).
+(jaxbuf's host and end-to-end samples are taken round by round over the patterns, so that
+host drift falls on all alike; the device column comes from a separate pass). Then the
+launch alone: direct ``cuLaunchKernel`` against Triton's launcher (host time).
 
 Every pattern is first checked: jaxbuf's apply against a numpy model in which later writes
 win; the baselines too where no two writes overlap (they define no order among overlapping
@@ -149,23 +149,25 @@ def _pattern_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         sync()
         return [a.cpu().numpy().copy() for a in arrays]
 
-    def timed(fn: Any, setup: Any, end_to_end: bool, device_time: bool = False) -> Any:
+    def timed(fn: Any, setup: Any, end_to_end: bool) -> Any:
         """Host time of ``fn()`` (or with the wait for the device: end to end); staging in
         ``setup`` is not timed. The CPU's apply completes in the call: one pass serves both."""
-        timing = measure(
+        return measure(
             lambda _: fn(),
             setup=lambda: (sync(), setup()),
             repeat=repeat,
             warmup=warmup,
             synchronize=sync if end_to_end else None,
         )
-        if device_time and timer is not None:
-            timing.device_median_s = measure(
-                lambda _: fn(), setup=setup, repeat=repeat, warmup=1, device_timer=timer
-            ).device_median_s
-        return timing
 
-    measured = []  # per pattern: (pattern, overlapping, host, seed and index_put timings)
+    def device_time(fn: Any, setup: Any) -> float | None:
+        """Median device time of ``fn()`` (CUDA events around it), or None off CUDA."""
+        if timer is None:
+            return None
+        timing = measure(lambda _: fn(), setup=setup, repeat=repeat, warmup=1, device_timer=timer)
+        return timing.device_median_s
+
+    measured = []  # per pattern: (pattern, overlapping, device time, the baselines' timings)
     stagers = {}
     try:
         for pattern in PATTERNS:
@@ -226,7 +228,7 @@ def _pattern_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
 
             apply = lambda: writer.apply(tables)  # noqa: E731
             seed_apply = lambda: seed_writer.apply(seed_tensors)  # noqa: E731
-            host = timed(apply, stage_jaxbuf, False, device_time=True)
+            apply_device_s = device_time(apply, stage_jaxbuf)
             seed_host = timed(seed_apply, stage_seed, False)
             put_host = timed(index_put, lambda: None, False)
             if device.is_cuda:
@@ -234,14 +236,25 @@ def _pattern_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
                 put_e2e = timed(index_put, lambda: None, True)
             else:
                 seed_e2e, put_e2e = seed_host, put_host
-            measured.append((pattern, overlapping, host, seed_host, put_host, seed_e2e, put_e2e))
+            measured.append(
+                (pattern, overlapping, apply_device_s, seed_host, put_host, seed_e2e, put_e2e)
+            )
             stagers[pattern] = stage_jaxbuf
-        # jaxbuf's end to end, the flatness targets' numbers: every pattern sampled round by
-        # round, so that the host's drift falls on all of them alike.
-        e2es = _interleaved_end_to_end(stagers, writer, tables, sync, repeat, warmup)
-        own_row_e2e = e2es["own row"]
-        for pattern, overlapping, host, seed_host, put_host, seed_e2e, put_e2e in measured:
-            e2e = Timing(e2es[pattern], [])
+        # jaxbuf's host and end-to-end times, the targets' numbers: every pattern sampled
+        # round by round, so that the host's drift falls on all of them alike.
+        interleaved = _interleaved_end_to_end(stagers, writer, tables, sync, repeat, warmup)
+        own_row_e2e = interleaved["own row"][1]
+        for (
+            pattern,
+            overlapping,
+            apply_device_s,
+            seed_host,
+            put_host,
+            seed_e2e,
+            put_e2e,
+        ) in measured:
+            host_s, e2e_s = interleaved[pattern]
+            host, e2e = Timing(host_s, [], apply_device_s), Timing(e2e_s, [])
             notes = _launch_path(writer, device)
             if overlapping:
                 notes += "; overlapping writes: baselines' order undefined"
@@ -287,10 +300,12 @@ def _pattern_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
 
 def _interleaved_end_to_end(
     stagers: dict[str, Any], writer: Any, tables: list, sync: Any, repeat: int, warmup: int
-) -> dict[str, float]:
-    """Median end-to-end time of ``writer.apply(tables)`` after each ``stagers[pattern]()``
-    (untimed, after a synchronize), the patterns sampled round by round (order reversed
-    every other round), the garbage collector paused while timing."""
+) -> dict[str, tuple[float, float]]:
+    """Median ``(host, end to end)`` times of ``writer.apply(tables)`` after each
+    ``stagers[pattern]()`` (untimed, after a synchronize): host until the apply returns, end
+    to end until the device is done too. The patterns are sampled round by round (order
+    reversed every other round), the garbage collector paused while timing."""
+    hosts: dict[str, list[float]] = {pattern: [] for pattern in stagers}
     samples: dict[str, list[float]] = {pattern: [] for pattern in stagers}
     order = list(stagers)
     gc_was_enabled = gc.isenabled()
@@ -302,16 +317,21 @@ def _interleaved_end_to_end(
                 gc.disable()
                 start = time.perf_counter()
                 writer.apply(tables)
+                returned = time.perf_counter()
                 sync()
-                elapsed = time.perf_counter() - start
+                done = time.perf_counter()
                 if gc_was_enabled:
                     gc.enable()
                 if i >= warmup:
-                    samples[pattern].append(elapsed)
+                    hosts[pattern].append(returned - start)
+                    samples[pattern].append(done - start)
     finally:
         if gc_was_enabled:
             gc.enable()
-    return {pattern: statistics.median(times) for pattern, times in samples.items()}
+    return {
+        pattern: (statistics.median(hosts[pattern]), statistics.median(samples[pattern]))
+        for pattern in stagers
+    }
 
 
 def _launch_row(device: Any, quick: bool) -> Row:
