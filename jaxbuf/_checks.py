@@ -71,3 +71,11 @@ def as_max_concurrency(value: Any) -> int:
             f"and a separate pinned allocation), got {count}"
         )
     return count
+
+
+def as_optional_bool(value: Any, name: str) -> bool | None:
+    """``value`` when it is True, False or None; TypeError naming it otherwise (an int or a
+    string would silently pick a branch)."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool or None, got {value!r}")
+    return value

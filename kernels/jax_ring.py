@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxbuf import interop
-from jaxbuf._checks import as_count, as_max_concurrency
+from jaxbuf._checks import as_count, as_max_concurrency, as_optional_bool
 from jaxbuf._resolve import resolve
 from jaxbuf.uva import UvaBuffer
 
@@ -154,8 +154,7 @@ class PackRing:
     ) -> None:
         count = as_max_concurrency(max_concurrency)
         self._min_words = as_count(min_words, "min_words")
-        if expand is not None and not isinstance(expand, bool):
-            raise TypeError(f"expand must be a bool or None, got {expand!r}")
+        expand = as_optional_bool(expand, "expand")
         self._device, self._driver = resolve(device, driver)
         self._expand = (not self._device.is_cuda) if expand is None else expand
         self._slots = [_Slot() for _ in range(count)]
@@ -222,10 +221,8 @@ class PackRing:
         self._check_open()
         if not isinstance(staged, StagedWrites):
             raise TypeError(f"staged must be a StagedWrites, got {staged!r}")
-        if expand is None:
+        if as_optional_bool(expand, "expand") is None:
             expand = self._expand
-        elif not isinstance(expand, bool):
-            raise TypeError(f"expand must be a bool or None, got {expand!r}")
         _register_pytree()
         slot = self._slots[self._next]
         leaf = None

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxbuf._checks import as_count, as_int
+from jaxbuf._checks import as_count, as_int, as_optional_bool
 from jaxbuf._staging_host import StagingState, c_expand_elements, convert, pack_record
 from jaxbuf.dtypes import canonical_dtype
 
@@ -547,8 +547,7 @@ class StagedWrites:
         call); same as ``ring.pack(self, clear=clear, expand=expand)``. Default: a fresh numpy
         buffer. ``expand``: write every value's row and column too (see
         :attr:`PackedWrites.expanded`); default True, or the ring's choice."""
-        if expand is not None and not isinstance(expand, bool):
-            raise TypeError(f"expand must be a bool or None, got {expand!r}")
+        as_optional_bool(expand, "expand")
         if ring is not None:
             pack_into = getattr(ring, "pack", None)
             if pack_into is None or not hasattr(ring, "consumed_by"):

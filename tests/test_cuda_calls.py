@@ -155,6 +155,12 @@ def test_record_event_records_on_the_mapped_stream_and_keeps_the_event_on_failur
     assert driver._spare_events[0] == [event]  # and given back after the failed record
 
 
+def test_an_unknown_cuda_result_is_still_a_driver_error(driver, fake):
+    fake.results["cuLaunchKernel"] = 123456  # no CUresult member has this value
+    with pytest.raises(DriverError, match="cuLaunchKernel.*CUresult 123456"):
+        driver.launch_kernel(0xF00D, (1, 1, 1), (32, 1, 1), 0, 0, 0x1234)
+
+
 def test_copy_on_stream(driver, fake):
     driver.copy_on_stream(0xD000, 0xA000, 65536, 0x7F00)
     assert fake.log == [("cuMemcpyAsync", 0xD000, 0xA000, 65536, 0x7F00)]

@@ -345,6 +345,8 @@ def test_the_ring_is_not_copyable():
         ({"min_words": "8"}, TypeError, "min_words"),
         ({"device": "cpu", "driver": "nope"}, TypeError, "driver"),
         ({"device": "tpu"}, ValueError, "tpu"),
+        ({"expand": 1}, TypeError, "expand"),
+        ({"expand": "no"}, TypeError, "expand"),
     ],
 )
 def test_bad_constructor_arguments_are_named(kwargs, error, match):

@@ -2,8 +2,8 @@
  *
  * cuda.bindings wraps every driver call in Python objects: converting a kernel launch's
  * eleven arguments, or building a CUevent's result tuple, costs 1-3 us a call on an H200
- * host, about as much as the driver itself. A staged apply makes four such calls (context
- * check, slot event query, launch, event record), so the CUDA driver
+ * host, about as much as the driver itself. A staged apply makes five such calls (context
+ * check, slot event query, copy, launch, event record), so the CUDA driver
  * (jaxbuf/drivers/cuda.py) makes those through an EntryPoints instead: a handful of driver
  * function pointers it got from cuGetProcAddress, called with plain integers.
  *
@@ -122,16 +122,6 @@ static PyObject *entry_points_new(PyTypeObject *type, PyObject *args, PyObject *
     return (PyObject *)self;
 }
 
-/* current_context() -> (CUresult, address of the current context, 0 for none) */
-static PyObject *current_context(EntryPoints *self, PyObject *unused) {
-    CUcontext context = NULL;
-    CUresult result;
-    Py_BEGIN_ALLOW_THREADS
-    result = ((CtxGetCurrentFn)self->entry[CTX_GET_CURRENT])(&context);
-    Py_END_ALLOW_THREADS
-    return Py_BuildValue("(iK)", result, (unsigned long long)(uintptr_t)context);
-}
-
 /* make_current(context) -> CUresult: cuCtxSetCurrent only when context is not current, so
  * the common case is one cuCtxGetCurrent. */
 static PyObject *make_current(EntryPoints *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -208,8 +198,6 @@ static PyObject *copy(EntryPoints *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 static PyMethodDef entry_points_methods[] = {
-    {"current_context", (PyCFunction)current_context, METH_NOARGS,
-     "current_context() -> (CUresult, current context address or 0)"},
     {"make_current", (PyCFunction)(void (*)(void))make_current, METH_FASTCALL,
      "make_current(context) -> CUresult; sets it only when another one is current"},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,

@@ -15,7 +15,7 @@ H200 host, as much as the driver's work. ``c_calls_reason`` says why they are no
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from jaxbuf.drivers.base import DriverError
 
@@ -73,9 +73,13 @@ class CudaStreamWork:
         self.c_calls_reason = None
         return EntryPoints(addresses)
 
-    def _raise_code(self, code: int, call: str, **sizes: Any) -> None:
+    def _raise_code(self, code: int, call: str, **sizes: Any) -> NoReturn:
         """Raise the DriverError for the CUresult ``code`` a C call returned."""
-        raise DriverError(call, self._error_name(self._cu.CUresult(code)), **sizes)
+        try:
+            error = self._cu.CUresult(code)
+        except ValueError:  # a code this binding's enum does not know
+            raise DriverError(call, f"CUresult {code}", **sizes) from None
+        raise DriverError(call, self._error_name(error), **sizes)
 
     def memset(self, ptr: int, value: int, size: int, device_index: int) -> None:
         """``cuMemsetD8Async`` on the legacy default stream."""
