@@ -495,7 +495,8 @@ def test_jax_quiesce_waits_for_pending_computations():
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    x = jnp.ones((1024, 1024), jnp.float32)
+    # On JAX's CPU device also where its default is a GPU: quiesce(cpu) waits for the CPU.
+    x = jax.device_put(jnp.ones((1024, 1024), jnp.float32), jax.devices("cpu")[0])
     x.block_until_ready()
     out = jax.jit(lambda a: jnp.linalg.matrix_power(a / 1024, 16).sum())(x)
     running = not out.is_ready()  # most likely: the step takes a while

@@ -45,12 +45,15 @@ def _load_soak():
 soak = _load_soak()
 
 
-def _assert_clean(summary: dict) -> None:
+def _assert_clean(summary: dict, ignore: tuple[str, ...] = ()) -> None:
+    """Every metric back at its start (within tolerance) but those in ``ignore``, and no
+    broken invariant."""
     report = {
         name: (m["start"], m["end"], m["delta"], m["tolerance"])
         for name, m in summary["metrics"].items()
     }
-    assert summary["ok"], (
+    judged = [m["ok"] for name, m in summary["metrics"].items() if name not in ignore]
+    assert all(judged) and not summary["invariant_problems"], (
         f"soak metrics not back at start (start, end, delta, tol): {report}; "
         f"invariants: {summary['invariant_problems']}"
     )
@@ -81,7 +84,11 @@ def test_soak_cpu_100k():
 @pytest.mark.gpu
 def test_soak_cuda_10k(cuda_device):
     summary = soak.run(cuda_device, cycles=GPU_CYCLES, every=100)
-    _assert_clean(summary)
+    # device_used_bytes is the whole GPU's (cuMemGetInfo): with other pytest workers on the
+    # same GPU it moves with their allocations, so it is judged only when this process is
+    # alone (tools/soak.py run by itself always judges it).
+    shared = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
+    _assert_clean(summary, ignore=("device_used_bytes",) if shared else ())
     assert "device_used_bytes" in summary["metrics"]
 
 
