@@ -132,13 +132,16 @@ class Defragmenting:
         new_at: int | None = None  # address the new chunk is mapped at
         old_tmp: int | None = None
         moved_out: list[tuple[int, int, Any]] = []
+        copying = False  # the copy into the new chunk is enqueued, not known to be done
         try:
             handle = driver.create(size, device_index)
             driver.map(new_tmp, size, handle)
             new_at = new_tmp
             driver.set_access(new_tmp, size, device_index)
+            copying = True
             driver.copy(new_tmp, base + first, size, device_index)
             driver.synchronize(device_index)
+            copying = False
             old_tmp = driver.reserve(size, granularity)
             for offset, chunk_size, old_handle in old:
                 driver.move_mapping(old_handle, base + offset, old_tmp + offset - first, chunk_size)
@@ -149,6 +152,17 @@ class Defragmenting:
             # touched and keep theirs, so the grant is the new chunk alone.
             driver.set_access_many(base + first, size, self.access_devices)
         except BaseException as error:
+            if copying and not attempt(
+                error,
+                "defragment rollback: waiting for the copy into the new chunk",
+                driver.synchronize,
+                device_index,
+            ):
+                # The copy may still be writing the new chunk: unmapping it now would fault
+                # the device. It stays mapped in its temporary reservation, a stray that
+                # release_physical() frees after its own wait.
+                self._stray_reservations.append((new_tmp, size, [(new_tmp, size, handle)]))
+                raise
             self._undo_defragment(error, first, last, new_tmp, handle, new_at, old_tmp, moved_out)
             raise
         # Committed: the bookkeeping now names the new chunk (the committed runs are
@@ -262,6 +276,16 @@ class Defragmenting:
 
     def _retry_stray_reservations(self) -> list[BaseException]:
         stray, self._stray_reservations = self._stray_reservations, []
+        if not stray:
+            return []
+        # A stray may be the target of device work a failed wait left pending: wait first,
+        # and keep them all while the device cannot be waited for.
+        try:
+            for device_index in self.access_devices:
+                self._driver.synchronize(device_index)
+        except Exception as error:  # noqa: BLE001 - returned to the caller
+            self._stray_reservations = stray + self._stray_reservations
+            return [error]
         errors: list[BaseException] = []
         for ptr, size, mapped in stray:
             errors += self._cleanup_temporary(ptr, size, mapped)

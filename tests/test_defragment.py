@@ -48,6 +48,7 @@ class CountingDriver(VmmDriver):
         self.dlpack_host_device_type = inner.dlpack_host_device_type
         self.count = 0
         self.fail_at: int | None = None
+        self.fail_calls: set[int] = set()  # more call numbers to fail
         self.log: list[str] = []
         self.live_handles: dict[int, Any] = {}
         self.reservations: dict[int, int] = {}
@@ -56,7 +57,7 @@ class CountingDriver(VmmDriver):
     def _enter(self, call: str) -> None:
         self.count += 1
         self.log.append(call)
-        if self.fail_at == self.count:
+        if self.fail_at == self.count or self.count in self.fail_calls:
             raise DriverError(call, "INJECTED_FAULT", n=self.count)
 
     # probing: never failed
@@ -268,6 +269,39 @@ def _calls_of_a_clean_defragment(device: str) -> int:
     tensor.free()
     assert not driver.live_handles and not driver.reservations
     return calls
+
+
+def test_a_failed_wait_for_the_copy_never_unmaps_what_the_device_may_still_write(device):
+    """The copy into the new chunk is asynchronous on a GPU. When the wait for it fails and
+    the rollback's own wait fails too, the device may still be writing the new chunk, so the
+    rollback must not unmap it (the H200 faulted with CUDA_ERROR_ILLEGAL_ADDRESS on such an
+    unmap): it stays mapped in its temporary reservation, a stray that release_physical frees
+    after a successful wait. The tensor itself is untouched and usable meanwhile."""
+    clean = CountingDriver(get_vmm_driver(device))
+    tensor, _ = fragmented(device, clean)
+    start = clean.count
+    tensor.defragment()
+    wait_after_copy = clean.log[start:].index("copy") + 2  # the synchronize that follows it
+    assert clean.log[start + wait_after_copy - 1] == "synchronize"
+    tensor.free()
+
+    driver = CountingDriver(get_vmm_driver(device))
+    tensor, contents = fragmented(device, driver)
+    base, sizes, at = tensor.base_ptr, tensor.committed_sizes, driver.count + wait_after_copy
+    driver.fail_calls = {at, at + 1}  # the wait, then the rollback's wait
+    with pytest.raises(DriverError) as info:
+        tensor.defragment()
+    assert any("waiting for the copy" in note for note in info.value.__notes__)
+    driver.fail_calls = set()
+    stray = tensor._buffer._stray_reservations
+    assert len(stray) == 1 and stray[0][0] in driver.mapped  # still mapped: not unmapped
+    assert tensor.base_ptr == base and tensor.committed_sizes == sizes
+    driver.check_tensor(tensor)
+    check_contents(tensor, contents)
+    tensor.resize_per_segment_(4 * G)  # usable
+    check_contents(tensor, contents)
+    tensor.free()  # release_physical waits, then frees the stray
+    assert not driver.live_handles and not driver.reservations and not driver.mapped
 
 
 def test_every_single_fault_leaves_the_tensor_consistent(device):
