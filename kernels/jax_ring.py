@@ -249,7 +249,7 @@ class PackRing:
         self._check_open()
         try:
             same = arguments == self._scratch_key
-        except TypeError:  # an unhashable or odd dtype spec: no reuse
+        except TypeError:  # a dtype spec whose comparison raises: no reuse
             same = False
         if not same or self._scratch_staged is None:
             staged = make(*arguments)  # validates: a bad argument leaves the old one

@@ -358,3 +358,15 @@ def test_jax_suites_on_the_gpu(tmp_path):
                 check_row(row)
     decode = suite_rows(document, "jax.decode")
     assert {row["params"]["write_path"] for row in decode} <= {"donate", "torch"}
+
+
+def test_round_by_round_alternates_the_order_and_takes_each_median():
+    """The sampler the ratio targets use: every round calls each candidate once, the order
+    reversed every other round, and each candidate's median comes from its own samples."""
+    from jaxbuf.bench._timing import round_by_round
+
+    order = []
+    calls = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
+    medians = round_by_round(calls, repeat=4)
+    assert order == list("abccbaabccba")
+    assert set(medians) == {"a", "b", "c"} and all(m >= 0 for m in medians.values())

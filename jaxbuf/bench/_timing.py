@@ -22,6 +22,7 @@ __all__ = [
     "device_synchronizer",
     "measure",
     "measure_per_call",
+    "round_by_round",
 ]
 
 _NS = 1e-9
@@ -167,6 +168,20 @@ def measure_per_call(fn: Callable[[], Any], *, number: int, repeat: int, warmup:
         if gc_was_enabled:
             gc.enable()
     return Timing(statistics.median(samples), samples)
+
+
+def round_by_round(calls: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
+    """Median seconds of each of ``calls`` (already warmed up), sampled round by round: every
+    round calls each once, in an order reversed every other round, so that drift of the
+    machine's speed falls on all alike (the candidates of one target, compared as a ratio)."""
+    samples: dict[str, list[float]] = {label: [] for label in calls}
+    labels = list(calls)
+    for i in range(repeat):
+        for label in labels if i % 2 == 0 else reversed(labels):
+            start = time.perf_counter()
+            calls[label]()
+            samples[label].append(time.perf_counter() - start)
+    return {label: statistics.median(times) for label, times in samples.items()}
 
 
 def release_torch_memory(device: Any) -> None:

@@ -37,15 +37,13 @@ checked against a numpy model before the rows are reported. Only the public
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from jaxbuf.bench import Row, Sizes, suite
-from jaxbuf.bench._timing import measure
+from jaxbuf.bench._timing import measure, round_by_round
 
 _SHAPE = (4096, 4096)
 _WRITE_LEN = 16
@@ -136,7 +134,7 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         (the order reversed every other round) so that the host's drift, which on a shared
         GPU host moves one run's times by up to 2x, falls on every candidate alike. Each
         result is checked against the model."""
-        calls, samples = {}, {}
+        calls, holders = {}, {}
         for label, (step, make_inputs) in candidates.items():
             holder = [jax.device_put(np.zeros(_SHAPE, np.int32), jax_device)]
 
@@ -146,16 +144,11 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
 
             for _ in range(2):  # compile, warm up (a ring's slots are made on first use)
                 call()
-            calls[label], samples[label] = (call, holder), []
-        labels = list(calls)
-        for i in range(repeat):
-            for label in labels if i % 2 == 0 else reversed(labels):
-                start = time.perf_counter()
-                calls[label][0]()
-                samples[label].append(time.perf_counter() - start)
-        for _, holder in calls.values():
+            calls[label], holders[label] = call, holder
+        medians = round_by_round(calls, repeat)
+        for holder in holders.values():
             _check(holder[0], expected)
-        return {label: statistics.median(t) for label, t in samples.items()}
+        return medians
 
     def inputs_on_device(step: Callable[..., Any], inputs: Any) -> float:
         prebuilt = jax.device_put(inputs, jax_device)
@@ -177,7 +170,7 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         candidates are timed round by round, in an order reversed every other round, so
         drift falls on all alike. A candidate that cannot run maps to its ImportError."""
         calls: dict[str, Callable[[], None]] = {}
-        times: dict[str, Any] = {}
+        errors: dict[str, ImportError] = {}
         for label, (apply, inputs) in candidates.items():
             try:
                 prebuilt = jax.device_put(inputs, jax_device)
@@ -198,18 +191,13 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
                     call()
                 _check(holder[0], expected)  # the same writes again leave the same array
             except ImportError as error:  # method="triton" where jax_triton cannot run
-                times[label] = error
+                errors[label] = error
                 continue
-            calls[label], times[label] = call, []
-        labels = list(calls)
-        for i in range(repeat):
-            for label in labels if i % 2 == 0 else reversed(labels):
-                start = time.perf_counter()
-                calls[label]()
-                times[label].append(time.perf_counter() - start)
+            calls[label] = call
+        medians = round_by_round(calls, repeat)
         return {
-            label: t if isinstance(t, BaseException) else statistics.median(t) / loop
-            for label, t in times.items()
+            label: errors[label] if label in errors else medians[label] / loop
+            for label in candidates
         }
 
     plain_step = jax.jit(lambda a, r, c, v: a.at[r, c].set(v), donate_argnums=0)

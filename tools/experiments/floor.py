@@ -13,8 +13,6 @@ DEVICE_COPY_MIN_BYTES and the ring's staging reuse (BENCHMARKS.md, third session
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -23,6 +21,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import jaxbuf  # noqa: E402
+from jaxbuf.bench._timing import measure  # noqa: E402
 from jaxbuf.bench.jax_staged import _SHAPE, _workload  # noqa: E402
 from jaxbuf.jax_ops import PackRing, StagedWrites  # noqa: E402
 from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor  # noqa: E402
@@ -31,15 +30,10 @@ IN_PLACE = 1 << 62  # a device-copy threshold no apply reaches
 
 
 def median_us(fn, n=300, setup=None) -> float:
-    """Median of ``fn()`` over ``n`` calls (the first 20 dropped), ``setup()`` untimed."""
-    times = []
-    for _ in range(n):
-        if setup is not None:
-            setup()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times[20:]) * 1e6, 1)
+    """Median µs of ``fn()`` over ``n`` calls after 20 untimed ones (``setup()`` untimed
+    before each): :func:`jaxbuf.bench._timing.measure`, the benches' timer."""
+    call = (lambda _: fn()) if setup is not None else fn
+    return round(measure(call, repeat=n, warmup=20, setup=setup).median_s * 1e6, 1)
 
 
 def main() -> None:

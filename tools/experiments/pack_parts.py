@@ -23,20 +23,17 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxbuf  # noqa: E402
+from jaxbuf.bench._timing import measure  # noqa: E402
 from jaxbuf.bench.jax_staged import _SHAPE, _workload  # noqa: E402
 from jaxbuf.jax_ops import PackRing, StagedWrites, pack_writes  # noqa: E402
 from jaxbuf.kernels import jax_ring, jax_staged  # noqa: E402
 
 
 def median_us(fn, n=60, setup=None) -> float:
-    times = []
-    for _ in range(n):
-        if setup is not None:
-            setup()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times[10:]) * 1e6, 1)
+    """Median µs of ``fn()`` over ``n`` calls after 10 untimed ones (``setup()`` untimed
+    before each): :func:`jaxbuf.bench._timing.measure`, the benches' timer."""
+    call = (lambda _: fn()) if setup is not None else fn
+    return round(measure(call, repeat=n, warmup=10, setup=setup).median_s * 1e6, 1)
 
 
 def pack_parts(device, n: int) -> dict[str, float]:
