@@ -738,15 +738,28 @@ def _apply_pallas(array, packed: PackedWrites, interpret: bool):
 
 
 def _apply_scatter(array, packed: PackedWrites):
-    # Kept indices are unique (the packer made the writes disjoint), so scatter order is moot;
-    # padding and out-of-range elements are dropped.
+    rows, cols = _scatter_targets(packed, _platform(array))
+    # unique_indices=True lets XLA store without ordering colliding updates: H200, 50 applies
+    # chained, per apply at 256 / 4,096 writes, 2.80 / 3.39 µs without it, 2.64 / 3.06 µs
+    # with it, plain JAX's a.at[r, c].set(v) 3.04 / 3.19 µs
+    # (tools/experiments/scatter_variants.py).
+    return array.at[rows, cols].set(packed.values, mode="drop", unique_indices=True)
+
+
+def _scatter_targets(packed: PackedWrites, platform: str) -> tuple[Any, Any]:
+    """Every value's (row, column), no two pairs equal: the packer made the writes disjoint,
+    so kept values never share a target, and padding (row ``2**31 - 1``, dropped) gets its
+    position as column. That makes ``unique_indices=True`` a true promise."""
+    import jax.numpy as jnp
+
     if packed.expanded:
         # The host expanded every value's target: the scatter a JAX user writes, with
         # nothing computed on the device first.
         rows, cols = packed.element_rows, packed.element_cols
     else:
-        rows, cols = _element_indices(packed, _platform(array))
-    return array.at[rows, cols].set(packed.values, mode="drop")
+        rows, cols = _element_indices(packed, platform)
+    position = jnp.arange(rows.shape[0], dtype=cols.dtype)
+    return rows, jnp.where(rows == _DROPPED_INDEX, position, cols)
 
 
 def _element_indices(packed: PackedWrites, platform: str) -> tuple[Any, Any]:

@@ -279,6 +279,25 @@ def test_device_side_indices_equal_the_host_expansion(platform):
         np.testing.assert_array_equal(np.asarray(cols), expanded.element_cols)
 
 
+@pytest.mark.parametrize("expand", [True, False])
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_scatter_targets_are_unique_so_the_scatter_may_promise_it(expand, platform):
+    """The scatter tells XLA its indices are unique (unique_indices=True), which XLA does not
+    check: a broken promise would make colliding updates land in any order. So every
+    (row, column) pair it scatters to, padding included, must differ, with overlapping
+    writes (which the packer resolves) in every batch."""
+    from jaxbuf.kernels.jax_staged import _scatter_targets
+
+    rng = np.random.default_rng(11)
+    targets = jax.jit(lambda p: _scatter_targets(p, platform))
+    for _ in range(25):
+        # Many long writes into 6 x 40: most batches overlap, and buckets leave padding.
+        writes = _random_writes(rng, int(rng.integers(1, 40)), "int32")
+        rows, cols = targets(pack_writes(*writes, "int32", shape=SHAPE, expand=expand))
+        pairs = np.stack([np.asarray(rows), np.asarray(cols)], axis=1)
+        assert len(np.unique(pairs, axis=0)) == len(pairs)
+
+
 def test_expand_must_be_a_bool():
     staged = StagedWrites(*SHAPE, "int32")
     staged.stage_write(0, 0, [1])
