@@ -4,15 +4,17 @@ A :class:`~jaxbuf.fused.FusedStagedWriter` picks one launcher when it is made
 (:func:`make_launcher`); every launcher has the one signature::
 
     launch(write_table_addr, group_table_addr, contents_addr, num_writes, serial, raw_stream,
-           write_table_np, group_table_np, segments=0, num_segments=0)
+           write_table_np, group_table_np, segments=0, num_segments=0, copy=None)
 
 * ``numpy``: :func:`jaxbuf.kernels.apply_staged_writes_numpy` on the host tables (CPU only,
   chosen explicitly with ``backend="numpy"``);
 * interpreted: the Triton kernel under Triton's interpreter (the CPU with ``backend="triton"``);
 * compiled: :class:`jaxbuf.kernels.staged_write.CompiledLauncher`, the cached compiled kernel
-  launched on a raw CUDA stream: one ``cuLaunchKernel`` through the driver seam
-  (:meth:`~jaxbuf.drivers.base.VmmDriver.launch_kernel`) with a prepacked argument buffer, or
-  Triton's launcher where that is unavailable (its ``fallback_reason`` says why).
+  launched on a raw CUDA stream: the context check, ``copy`` (the slot's device copy) and
+  ``cuLaunchKernel`` with a prepacked argument buffer in one call through the driver seam
+  (:meth:`~jaxbuf.drivers.base.VmmDriver.copy_and_launch`), or Triton's launcher where that
+  is unavailable (its ``fallback_reason`` says why). ``copy`` is CUDA's only; the host
+  launchers never get one.
 
 The tables live in a pinned slot the device reads in place, so launchers get device-visible
 addresses; the host launchers also get numpy views of the same tables.
@@ -59,6 +61,7 @@ def make_launcher(backend: str, device: Device, driver: VmmDriver | None = None)
             gt_np,
             segments=0,
             num_segments=0,
+            copy=None,
         ):
             # The table is resolved (disjoint writes), so the order is moot; serial is unused.
             apply_staged_writes_numpy(wt_np, gt_np, contents, num_writes)
@@ -78,6 +81,7 @@ def make_launcher(backend: str, device: Device, driver: VmmDriver | None = None)
             gt_np,
             segments=0,
             num_segments=0,
+            copy=None,
         ):
             bounds = IntsAt(segments, num_segments + 1) if serial else None
             apply_staged_writes(

@@ -275,9 +275,6 @@ class FusedStagedWriter:
         ``copy``, ``(device_dst, slot_src, size)``, when the kernel reads a device copy), then
         record the event that orders consumers and guards the slot."""
         driver, index = self._driver, self.device.index
-        # The launch needs the device's context current in this thread (a fresh thread has
-        # none); one cuCtxGetCurrent when it already is.
-        driver.ensure_context(index)
         raw = raw_stream(stream, self.device)
         dlpack_stream = raw or 1  # DLPack and CUDA agree on 1 (legacy) and 2
         # A tensor last written on another stream: order this launch after those writes.
@@ -285,9 +282,10 @@ class FusedStagedWriter:
             applied = t._staging.applied
             if applied is not None and applied.stream != dlpack_stream:
                 driver.stream_wait_event(dlpack_stream, applied.handle, index)
-        if copy is not None:
-            driver.copy_on_stream(*copy, raw)
-        self._launch(*launch_args, raw, None, None)
+        # The launcher makes the device's context current (a fresh thread has none) and
+        # enqueues the copy before the launch: one C call (driver.copy_and_launch). When it
+        # raises, nothing was launched and the copy is done: the writes stay staged.
+        self._launch(*launch_args, raw, None, None, copy=copy)
         # Enqueued: the writes are applied whatever fails next, so no longer staged.
         self._clear()
         try:

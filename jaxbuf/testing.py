@@ -74,6 +74,8 @@ FAULT_KINDS = (
     "record_event",
     "event_query",
     "event_synchronize",
+    "copy_on_stream",
+    "launch_kernel",
     "host_alloc",
     "host_free",
 )
@@ -102,6 +104,8 @@ _CALL_NAMES = {
         "record_event": "cuEventRecord",
         "event_query": "cuEventQuery",
         "event_synchronize": "cuEventSynchronize",
+        "copy_on_stream": "cuMemcpyAsync",
+        "launch_kernel": "cuLaunchKernel",
         "host_alloc": "cuMemHostAlloc",
         "host_free": "cuMemFreeHost",
     },
@@ -127,6 +131,8 @@ _CALL_NAMES = {
         "record_event": "record_event",
         "event_query": "event_query",
         "event_synchronize": "event_synchronize",
+        "copy_on_stream": "copy_on_stream",
+        "launch_kernel": "launch_kernel",
         "host_alloc": "mmap",
         "host_free": "munmap",
     },
@@ -557,6 +563,17 @@ class FaultInjectingDriver(VmmDriver):
         self._enter("event_synchronize")
         if self._check_event("event_synchronize", event):
             self.inner.event_synchronize(event)
+
+    # -- a staged apply's copy and launch -------------------------------------------------
+    # copy_and_launch is not wrapped: the base class's makes these calls (and ensure_context)
+    # in turn through this wrapper, so each can fail on its own.
+    def copy_on_stream(self, dst: int, src: int, size: int, stream: Any) -> None:
+        self._enter("copy_on_stream", dst=hex(dst), src=hex(src), size=size, stream=stream)
+        self.inner.copy_on_stream(dst, src, size, stream)
+
+    def launch_kernel(self, function, grid, block, shared, stream, args) -> None:
+        self._enter("launch_kernel", grid=grid, block=block, stream=stream)
+        self.inner.launch_kernel(function, grid, block, shared, stream, args)
 
     # -- pinned host memory ------------------------------------------------------------------
     def host_alloc(self, size: int, device_index: int) -> tuple[int, int]:

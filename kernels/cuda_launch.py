@@ -247,7 +247,15 @@ class DirectLauncher:
     argument names, packable types, and the layout matching the PTX's parameters.
     """
 
-    __slots__ = ("function", "block", "shared", "arguments", "runtime_names", "_launch_kernel")
+    __slots__ = (
+        "function",
+        "block",
+        "shared",
+        "arguments",
+        "runtime_names",
+        "_launch_kernel",
+        "_copy_and_launch",
+    )
 
     def __init__(self, compiled: Any, driver: Any, runtime_names: Sequence[str]) -> None:
         metadata = getattr(compiled, "metadata", None)
@@ -286,6 +294,7 @@ class DirectLauncher:
         self.arguments = PackedArguments(layout)
         self.runtime_names = layout.runtime_names
         self._launch_kernel = driver.launch_kernel
+        self._copy_and_launch = driver.copy_and_launch
 
     def __call__(self, grid: int, stream: Any, *values: Any) -> None:
         self.arguments.pack(*values)
@@ -294,17 +303,21 @@ class DirectLauncher:
                 self.function, (grid, 1, 1), self.block, self.shared, stream, self.arguments.address
             )
 
-    def bind(self) -> Any:
-        """``launch(grid, stream, *values)``, the same as calling this launcher, as a closure
-        over everything it reads (no attribute lookups: it runs on every apply)."""
+    def bind(self, device_index: int) -> Any:
+        """``launch(grid, stream, *values, copy=None)``: as calling this launcher, but through
+        ``driver.copy_and_launch`` on ``device_index``: its context made current, and the
+        copy ``copy`` = ``(dst, src, size)`` enqueued first on the same stream (one C call
+        with the CUDA driver). A closure over everything it reads (no attribute lookups: it
+        runs on every apply)."""
         pack_into, buffer = self.arguments._pack_into, self.arguments.buffer
-        launch_kernel, function = self._launch_kernel, self.function
+        copy_and_launch, function = self._copy_and_launch, self.function
         block, shared, address = self.block, self.shared, self.arguments.address
 
-        def launch(grid: int, stream: Any, *values: Any) -> None:
+        def launch(grid: int, stream: Any, *values: Any, copy: Any = None) -> None:
             pack_into(buffer, 0, *values)
-            if grid > 0:
-                launch_kernel(function, (grid, 1, 1), block, shared, stream, address)
+            copy_and_launch(
+                device_index, stream, copy, function, (grid, 1, 1), block, shared, address
+            )
 
         # The closure holds raw addresses only: the launcher (its buffer and pointer array)
         # must live as long as the closure does.

@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from jaxbuf._errors import attempt
+
 from .reference import CONTENT_ALIGNMENT, IntsAt, address_of
 
 __all__ = ["CompiledLauncher", "apply_staged_writes", "DEFAULT_BLOCK_SIZE"]
@@ -291,8 +293,9 @@ class CompiledLauncher:
 
     * directly (Triton 3.3+, with a driver that launches kernels): a
       :class:`~jaxbuf.kernels.cuda_launch.DirectLauncher` rewrites the five values in its
-      prepacked argument buffer and calls the driver seam's ``launch_kernel``
-      (``cuLaunchKernel``); a few microseconds;
+      prepacked argument buffer and calls the driver seam's ``copy_and_launch`` (context
+      check, the optional copy and ``cuLaunchKernel``, one C call on CUDA); a few
+      microseconds;
     * else through Triton's launcher (``CompiledKernel.run``). :attr:`fallback_reason` says
       why in one line; it is None while every kernel compiled so far launches directly.
       Before Triton 3.3 every launch goes through :func:`apply_staged_writes`.
@@ -301,11 +304,14 @@ class CompiledLauncher:
     launcher. Triton's launch hooks (profilers) are called on neither path.
 
     ``launcher(write_table, group_table, contents, num_writes, serial, raw_stream, ...,
-    segments=0, num_segments=1)`` takes device-visible int addresses and a raw ``CUstream``
-    handle (0: the legacy default stream); the device's context must be current on the
-    calling thread (the fused writer makes it so). The grid is one program per write, or per
-    segment when ``serial``. Extra positional arguments are ignored, so it is interchangeable
-    with the CPU launchers of :mod:`jaxbuf._launch`. Not thread-safe: one writer drives it.
+    segments=0, num_segments=1, copy=None)`` takes device-visible int addresses and a raw
+    ``CUstream`` handle (0: the legacy default stream); it makes the device's context current
+    on the calling thread, and enqueues ``copy`` = ``(dst, src, size)`` (the staging slot's
+    device copy) on the stream before the launch. It keeps ``copy_and_launch``'s contract:
+    when it raises, nothing was launched and the copy has completed. The grid is one program
+    per write, or per segment when ``serial``. Extra positional arguments are ignored, so it
+    is interchangeable with the CPU launchers of :mod:`jaxbuf._launch`. Not thread-safe: one
+    writer drives it.
     """
 
     # Compiled with addresses past 2**32 so the address parameters are int64 whatever the
@@ -383,7 +389,7 @@ class CompiledLauncher:
             if self.fallback_reason is None:
                 try:
                     launcher = DirectLauncher(compiled, self._driver, self.RUNTIME_ARGUMENTS)
-                    launch = launcher.bind()
+                    launch = launcher.bind(self.device_index)
                 except DirectLaunchUnavailable as error:
                     self.fallback_reason = str(error)
             if launch is None:
@@ -394,51 +400,79 @@ class CompiledLauncher:
     def _through_triton(self, compiled: Any, serial: bool) -> Any:
         run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
         block_size = self.block_size
+        before = self._before_launch
 
-        def launch(grid, stream, wt, gt, contents, num_writes, segments):
-            # Triton's launcher takes every kernel argument, constexprs included, as
-            # JITFunction.run passes them.
-            run(
-                grid,
-                1,
-                1,
-                stream,
-                function,
-                metadata,
-                None,
-                None,
-                None,
-                wt,
-                gt,
-                contents,
-                num_writes,
-                segments,
-                block_size,
-                serial,
-            )
+        def launch(grid, stream, wt, gt, contents, num_writes, segments, copy=None):
+            before(stream, copy)
+            if not grid:
+                return
+            try:
+                # Triton's launcher takes every kernel argument, constexprs included, as
+                # JITFunction.run passes them.
+                run(
+                    grid,
+                    1,
+                    1,
+                    stream,
+                    function,
+                    metadata,
+                    None,
+                    None,
+                    None,
+                    wt,
+                    gt,
+                    contents,
+                    num_writes,
+                    segments,
+                    block_size,
+                    serial,
+                )
+            except BaseException as error:
+                self._after_failed_launch(error, copy)
+                raise
 
         return launch
 
     def _through_apply(self, serial: bool) -> Any:
         block_size = self.block_size
+        before = self._before_launch
 
-        def launch(grid, stream, wt, gt, contents, num_writes, segments):
+        def launch(grid, stream, wt, gt, contents, num_writes, segments, copy=None):
             import torch
 
+            before(stream, copy)
             bounds = IntsAt(segments, grid + 1) if serial else None
-            apply_staged_writes(
-                wt,
-                gt,
-                contents,
-                num_writes,
-                serial=serial,
-                segments=bounds,
-                block_size=block_size,
-                interpret=False,
-                stream=torch.cuda.ExternalStream(stream),
-            )
+            try:
+                apply_staged_writes(
+                    wt,
+                    gt,
+                    contents,
+                    num_writes,
+                    serial=serial,
+                    segments=bounds,
+                    block_size=block_size,
+                    interpret=False,
+                    stream=torch.cuda.ExternalStream(stream),
+                )
+            except BaseException as error:
+                self._after_failed_launch(error, copy)
+                raise
 
         return launch
+
+    def _before_launch(self, stream: int, copy: Any) -> None:
+        """What ``driver.copy_and_launch`` does before its launch, for Triton's launchers:
+        the device's context current, ``copy`` enqueued on ``stream``."""
+        self._driver.ensure_context(self.device_index)
+        if copy is not None:
+            self._driver.copy_on_stream(*copy, stream)
+
+    def _after_failed_launch(self, error: BaseException, copy: Any) -> None:
+        """``copy_and_launch``'s contract for Triton's launchers: when the launch fails, a
+        copy enqueued before it has completed, so its source may be rewritten."""
+        if copy is not None:
+            what = "waiting for the copy enqueued before the failed launch"
+            attempt(error, what, self._driver.synchronize, self.device_index)
 
     def __call__(
         self,
@@ -451,6 +485,7 @@ class CompiledLauncher:
         *_host_tables,
         segments: int = 0,
         num_segments: int = 1,
+        copy: Any = None,
     ) -> None:
         if num_writes >= 1 << 31:
             raise ValueError(f"{num_writes} writes exceed one launch's int32 count")
@@ -466,6 +501,7 @@ class CompiledLauncher:
             contents,
             num_writes,
             segments,
+            copy=copy,
         )
 
 

@@ -169,6 +169,94 @@ def test_copy_on_stream(driver, fake):
         driver.copy_on_stream(0xD000, 0xA000, 65536, 0)
 
 
+def test_copy_and_launch_makes_the_three_calls_in_one(fake):
+    calls = calls_module.EntryPoints(fake.addresses)
+    args = (0x1234, 0xD000, 0xA000, 4096, 0xF00D, 256, 128, 64, 0x7F00, 0x4321)
+    assert calls.copy_and_launch(*args) == 0
+    assert fake.log == [
+        ("cuCtxGetCurrent",),
+        ("cuMemcpyAsync", 0xD000, 0xA000, 4096, 0x7F00),
+        ("cuLaunchKernel", 0xF00D, 256, 1, 1, 128, 1, 1, 64, 0x7F00, 0x4321, 0),
+    ]
+    # Another context current: set first. No bytes: no copy. No programs: no launch.
+    fake.log.clear()
+    fake.current = 0x9999
+    assert calls.copy_and_launch(0x1234, 0, 0, 0, 0xF00D, 0, 128, 0, 0, 0x4321) == 0
+    assert fake.log == [("cuCtxGetCurrent",), ("cuCtxSetCurrent", 0x1234)]
+
+
+@pytest.mark.parametrize("step", calls_module.COPY_AND_LAUNCH_STEPS)
+def test_copy_and_launch_stops_at_the_failed_step_and_names_it(fake, step):
+    calls = calls_module.EntryPoints(fake.addresses)
+    fake.current = 0  # so cuCtxSetCurrent is called
+    fake.results[step] = INVALID_VALUE
+    failure = calls.copy_and_launch(0x1234, 0xD000, 0xA000, 64, 0xF00D, 4, 128, 0, 0, 0x4321)
+    index = calls_module.COPY_AND_LAUNCH_STEPS.index(step)
+    assert failure == (index, INVALID_VALUE)
+    made = [entry[0] for entry in fake.log]
+    assert made[-1] == step  # nothing after the failed step
+    assert made == ["cuCtxGetCurrent", *calls_module.COPY_AND_LAUNCH_STEPS[: index + 1]]
+
+
+def test_copy_and_launch_checks_its_arguments(fake):
+    calls = calls_module.EntryPoints(fake.addresses)
+    with pytest.raises(TypeError, match="copy_and_launch takes 10 arguments, got 3"):
+        calls.copy_and_launch(1, 2, 3)
+    with pytest.raises(OverflowError):  # grid past an unsigned int
+        calls.copy_and_launch(0x1234, 0, 0, 0, 0xF00D, 2**32, 128, 0, 0, 0)
+    with pytest.raises(OverflowError):  # a negative size
+        calls.copy_and_launch(0x1234, 0, 0, -1, 0xF00D, 1, 128, 0, 0, 0)
+    with pytest.raises(TypeError):
+        calls.copy_and_launch(0x1234, "0", 0, 0, 0xF00D, 1, 128, 0, 0, 0)
+    assert fake.log == []  # nothing reached the driver
+
+
+def test_driver_copy_and_launch_in_one_c_call(driver, fake, monkeypatch):
+    monkeypatch.setattr(driver, "copy_on_stream", None)  # the separate calls are not made
+    monkeypatch.setattr(driver, "launch_kernel", None)
+    driver.copy_and_launch(0, 0x7F00, (0xD000, 0xA000, 64), 0xF00D, (9, 1, 1), (128, 1, 1), 0, 7)
+    assert [entry[0] for entry in fake.log] == [
+        "cuCtxGetCurrent",
+        "cuMemcpyAsync",
+        "cuLaunchKernel",
+    ]
+
+
+@pytest.mark.parametrize("step", calls_module.COPY_AND_LAUNCH_STEPS)
+def test_driver_copy_and_launch_failures(driver, fake, monkeypatch, step):
+    """Each failed step is the DriverError of its call; a failed launch after the copy waits
+    for the device first (the contract: the copy's source may then be rewritten)."""
+    synchronized = []
+    monkeypatch.setattr(driver, "synchronize", synchronized.append)
+    fake.current = 0
+    fake.results[step] = INVALID_VALUE
+    with pytest.raises(DriverError, match=f"{step}.*INVALID_VALUE"):
+        driver.copy_and_launch(
+            0, 0x7F00, (0xD000, 0xA000, 64), 0xF00D, (9, 1, 1), (128, 1, 1), 0, 7
+        )
+    assert synchronized == ([0] if step == "cuLaunchKernel" else [])
+
+
+def test_a_failed_launch_without_a_copy_waits_for_nothing(driver, fake, monkeypatch):
+    synchronized = []
+    monkeypatch.setattr(driver, "synchronize", synchronized.append)
+    fake.results["cuLaunchKernel"] = INVALID_VALUE
+    with pytest.raises(DriverError, match="cuLaunchKernel"):
+        driver.copy_and_launch(0, 0x7F00, None, 0xF00D, (9, 1, 1), (128, 1, 1), 0, 7)
+    assert synchronized == []
+
+
+def test_driver_copy_and_launch_falls_back_to_the_separate_calls(driver, fake):
+    """A multi-dimensional grid (which the C call does not take) goes through the separate
+    calls, still in C."""
+    driver.copy_and_launch(0, 0x7F00, (0xD000, 0xA000, 64), 0xF00D, (9, 2, 1), (128, 1, 1), 0, 7)
+    assert fake.log == [
+        ("cuCtxGetCurrent",),
+        ("cuMemcpyAsync", 0xD000, 0xA000, 64, 0x7F00),
+        ("cuLaunchKernel", 0xF00D, 9, 2, 1, 128, 1, 1, 0, 0x7F00, 7, 0),
+    ]
+
+
 def test_a_stand_in_binding_keeps_every_call_in_the_binding():
     import types
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxbuf.drivers import driver_for_platform, get_vmm_driver
-from jaxbuf.drivers.base import DriverError
+from jaxbuf.drivers.base import DriverError, VmmDriver
 from jaxbuf.kernels import make_group_table, make_write_table, pack_contents
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
@@ -90,17 +90,34 @@ class RecordingDriver:
     def __init__(self, sizes):
         self.sizes = sizes
         self.launches = []
+        self.steps = []  # every call, in order
+        self.fail_launch = False
 
     def unavailable_reason(self):
         return None
 
     def launch_kernel(self, function, grid, block, shared, stream, args):
+        if self.fail_launch:
+            raise DriverError("cuLaunchKernel", "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
         pointers = (ctypes.c_void_p * len(self.sizes)).from_address(args)
         values = tuple(
             int.from_bytes(ctypes.string_at(pointer, size), "little", signed=True)
             for pointer, size in zip(pointers, self.sizes)
         )
         self.launches.append((function, grid, block, shared, stream, args, values))
+        self.steps.append("launch")
+
+    def ensure_context(self, device_index):
+        self.steps.append(("context", device_index))
+
+    def copy_on_stream(self, dst, src, size, stream):
+        self.steps.append(("copy", dst, src, size, stream))
+
+    def synchronize(self, device_index):
+        self.steps.append(("synchronize", device_index))
+
+    # The seam's own composition of the three calls above.
+    copy_and_launch = VmmDriver.copy_and_launch
 
 
 def _launcher(compiled, driver, **kwargs):
@@ -220,11 +237,43 @@ def test_direct_launcher_call_and_bind_agree(compiled):
     launcher = DirectLauncher(compiled[True], driver, RUNTIME)
     values = (1 << 40, 2 << 40, 3 << 40, 12, 4 << 40)
     launcher(3, 9, *values)
-    launcher.bind()(3, 9, *values)
+    driver.steps.clear()
+    launcher.bind(2)(3, 9, *values, copy=(0xD000, 0xA000, 64))
     first, second = driver.launches
     assert first == second
     assert first[1:5] == ((3, 1, 1), launcher.block, launcher.shared, 9)
     assert first[6][:5] == values
+    # Bound: the device's context made current and the copy enqueued first, on the stream.
+    assert driver.steps == [("context", 2), ("copy", 0xD000, 0xA000, 64, 9), "launch"]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_failed_launch_after_a_copy_waits_for_the_copy(compiled, direct):
+    """copy_and_launch's contract, on both paths (direct, and Triton's launcher): when the
+    launch fails, nothing was launched and the copy it follows has completed (the device
+    synchronized), so the writer may rewrite the copy's source at once."""
+    sizes = ptx_parameter_sizes(compiled[False].asm["ptx"])
+    driver = RecordingDriver(sizes)
+
+    def failing_run(*args):
+        raise DriverError("cuLaunchKernel", "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES")
+
+    kernels = compiled
+    if not direct:
+        fake = _like(
+            compiled[False],
+            metadata=dict(global_scratch_size=128),
+            run=failing_run,
+            packed_metadata=(4, 1, 0),
+        )
+        kernels = {False: fake, True: fake}
+    launcher = _launcher(kernels, driver)
+    driver.fail_launch = True
+    with pytest.raises(DriverError, match="OUT_OF_RESOURCES"):
+        launcher(1 << 40, 2 << 40, 3 << 40, 8, False, 0x77, copy=(0xD000, 0xA000, 64))
+    assert launcher.direct is direct
+    assert driver.steps == [("context", 0), ("copy", 0xD000, 0xA000, 64, 0x77), ("synchronize", 0)]
+    assert not driver.launches
 
 
 def test_too_many_writes_is_refused_before_anything(compiled):
@@ -277,8 +326,9 @@ def test_falls_back_to_tritons_launcher_with_the_reason(compiled):
     )
     driver = RecordingDriver(())
     launcher = _launcher({False: fake, True: fake}, driver)
-    launcher(10, 20, 32, 5, False, 0x77)
+    launcher(10, 20, 32, 5, False, 0x77, copy=(0xD000, 0xA000, 64))
     assert not driver.launches
+    assert driver.steps == [("context", 0), ("copy", 0xD000, 0xA000, 64, 0x77)]
     assert "global_scratch_size=128" in launcher.fallback_reason and not launcher.direct
     assert calls == [
         (

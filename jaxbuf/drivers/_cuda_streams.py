@@ -10,13 +10,15 @@ The calls a staged apply makes (context check, event query, copy, launch, event 
 through ``self._calls``, a :class:`jaxbuf.drivers._cuda_calls.EntryPoints` over the driver's
 own function pointers (``cuGetProcAddress``), when the C extension is built and the driver
 is the real one: cuda.bindings' argument and result conversions cost 1-3 µs a call on an
-H200 host, as much as the driver's work. ``c_calls_reason`` says why they are not used.
+H200 host, as much as the driver's work. The context check, copy and launch go as one call
+(:meth:`CudaStreamWork.copy_and_launch`). ``c_calls_reason`` says why they are not used.
 """
 
 from __future__ import annotations
 
 from typing import Any, NoReturn
 
+from jaxbuf._errors import attempt
 from jaxbuf.drivers.base import DriverError
 
 __all__ = ["MAX_SPARE_EVENTS", "CudaStreamWork"]
@@ -32,6 +34,7 @@ class CudaStreamWork:
     _success: Any
     _producer_stream: Any
     _dlpack_streams: dict[int, Any]
+    _primary_contexts: dict[int, tuple[Any, int]]
 
     def _init_stream_work(self) -> None:
         # Events given back by destroy_event, per device (an event belongs to its context),
@@ -226,6 +229,43 @@ class CudaStreamWork:
         self._check(self._cu.cuEventSynchronize(event), "cuEventSynchronize")
 
     # -- kernels --------------------------------------------------------------------
+    def copy_and_launch(self, device_index, stream, copy, function, grid, block, shared, args):
+        """The context check, copy and launch in one C call (see the base class for the
+        contract); through the separate calls before the context is first retained, for a
+        grid or block of more than one dimension, or without the C calls."""
+        calls = self._calls
+        cached = self._primary_contexts.get(device_index)
+        if calls is None or cached is None or grid[1:] != (1, 1) or block[1:] != (1, 1):
+            return super().copy_and_launch(
+                device_index, stream, copy, function, grid, block, shared, args
+            )
+        dst, src, size = copy if copy is not None else (0, 0, 0)
+        failure = calls.copy_and_launch(
+            cached[1], dst, src, size, function, grid[0], block[0], shared, stream, args
+        )
+        if failure:
+            self._raise_copy_and_launch(failure, device_index, stream, copy, grid, block)
+
+    def _raise_copy_and_launch(self, failure, device_index, stream, copy, grid, block):
+        from jaxbuf.drivers._cuda_calls import COPY_AND_LAUNCH_STEPS
+
+        step, code = failure
+        call = COPY_AND_LAUNCH_STEPS[step]
+        if call == "cuLaunchKernel":
+            details = {"grid": grid, "block": block, "stream": stream}
+        elif call == "cuMemcpyAsync":
+            dst, src, size = copy
+            details = {"dst": hex(dst), "src": hex(src), "size": size}
+        else:
+            details = {"device": device_index}
+        try:
+            self._raise_code(code, call, **details)
+        except DriverError as error:
+            if call == "cuLaunchKernel" and copy is not None:
+                what = "waiting for the copy enqueued before the failed launch"
+                attempt(error, what, self.synchronize, device_index)
+            raise
+
     def launch_kernel(self, function, grid, block, shared, stream, args) -> None:
         """``cuLaunchKernel`` (``kernelParams=args``) in the current context: the hot path."""
         calls = self._calls

@@ -271,6 +271,38 @@ class VmmDriver(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot launch kernels")
 
+    def copy_and_launch(
+        self,
+        device_index: int,
+        stream: Any,
+        copy: tuple[int, int, int] | None,
+        function: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared: int,
+        args: int,
+    ) -> None:
+        """A staged apply's submission: make ``device_index``'s context current, enqueue on
+        the raw ``stream`` the copy ``copy`` = ``(dst, src, size)`` (None: none), then
+        :meth:`launch_kernel` (nothing when ``grid`` has no program).
+
+        If it raises, nothing was launched, and a copy already enqueued has completed (the
+        device is synchronized first), so its source may be rewritten at once. This default
+        makes the three calls in turn; the CUDA driver makes them in one C call.
+        """
+        self.ensure_context(device_index)
+        if copy is not None:
+            self.copy_on_stream(*copy, stream)
+        if not (grid[0] and grid[1] and grid[2]):
+            return
+        try:
+            self.launch_kernel(function, grid, block, shared, stream, args)
+        except BaseException as error:
+            if copy is not None:
+                what = "waiting for the copy enqueued before the failed launch"
+                attempt(error, what, self.synchronize, device_index)
+            raise
+
     # -- pinned host memory ---------------------------------------------------------
     @abc.abstractmethod
     def host_alloc(self, size: int, device_index: int) -> tuple[int, int]:
