@@ -155,6 +155,38 @@ def test_record_event_records_on_the_mapped_stream_and_keeps_the_event_on_failur
     assert driver._spare_events[0] == [event]  # and given back after the failed record
 
 
+def test_record_in_checks_the_context_then_records(fake):
+    calls = calls_module.EntryPoints(fake.addresses)
+    assert calls.record_in(0x1234, 0xE1, 0x7F00) == 0
+    assert fake.log == [("cuCtxGetCurrent",), ("cuEventRecord", 0xE1, 0x7F00)]
+    fake.log.clear()
+    fake.current = 0
+    fake.results["cuCtxSetCurrent"] = INVALID_VALUE
+    assert calls.record_in(0x1234, 0xE1, 0x7F00) == ("cuCtxSetCurrent", INVALID_VALUE)
+    assert fake.log[-1][0] == "cuCtxSetCurrent"  # no record after the failed context
+    fake.results["cuCtxSetCurrent"] = 0
+    fake.results["cuEventRecord"] = INVALID_VALUE
+    assert calls.record_in(0x1234, 0xE1, 0x7F00) == ("cuEventRecord", INVALID_VALUE)
+    with pytest.raises(TypeError, match="record_in takes 3 arguments"):
+        calls.record_in(0xE1, 0x7F00)
+
+
+def test_record_event_with_a_spare_event_is_one_c_call(driver, fake, monkeypatch):
+    """The apply's record: a spare event, the context check and cuEventRecord in one C call
+    (no ensure_context from Python); a failure gives the event back to the spares."""
+    event = cu.CUevent(0xE7)
+    driver._spare_events[0] = [event]
+    driver._event_devices[0xE7] = 0
+    monkeypatch.setattr(driver, "ensure_context", None)  # not called on this path
+    assert driver.record_event(0x7F00, 0) is event
+    assert fake.log == [("cuCtxGetCurrent",), ("cuEventRecord", 0xE7, 0x7F00)]
+    driver.destroy_event(event)
+    fake.current, fake.results["cuCtxSetCurrent"] = 0, INVALID_VALUE
+    with pytest.raises(DriverError, match=r"cuCtxSetCurrent\(stream=0x7f00, device=0\)"):
+        driver.record_event(0x7F00, 0)
+    assert driver._spare_events[0] == [event]
+
+
 def test_an_unknown_cuda_result_is_still_a_driver_error(driver, fake):
     fake.results["cuLaunchKernel"] = 123456  # no CUresult member has this value
     with pytest.raises(DriverError, match="cuLaunchKernel.*CUresult 123456"):
@@ -192,7 +224,7 @@ def test_copy_and_launch_stops_at_the_failed_step_and_names_it(fake, step):
     fake.results[step] = INVALID_VALUE
     failure = calls.copy_and_launch(0x1234, 0xD000, 0xA000, 64, 0xF00D, 4, 128, 0, 0, 0x4321)
     index = calls_module.COPY_AND_LAUNCH_STEPS.index(step)
-    assert failure == (index, INVALID_VALUE)
+    assert failure == (step, INVALID_VALUE)
     made = [entry[0] for entry in fake.log]
     assert made[-1] == step  # nothing after the failed step
     assert made == ["cuCtxGetCurrent", *calls_module.COPY_AND_LAUNCH_STEPS[: index + 1]]

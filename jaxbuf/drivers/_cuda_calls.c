@@ -198,13 +198,29 @@ static PyObject *copy(EntryPoints *self, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromLong(result);
 }
 
-/* The steps of copy_and_launch, in order; a failure reports the index of its step. */
-enum { STEP_CONTEXT, STEP_COPY, STEP_LAUNCH, NUM_STEPS };
-static const char *const step_names[NUM_STEPS] = {"cuCtxSetCurrent", "cuMemcpyAsync",
-                                                  "cuLaunchKernel"};
+/* The steps of copy_and_launch, in order (and record_in's last); a failure reports the name
+ * of its step's call. */
+enum { STEP_CONTEXT, STEP_COPY, STEP_LAUNCH, NUM_STEPS, STEP_RECORD = NUM_STEPS };
+static const char *const step_names[NUM_STEPS + 1] = {"cuCtxSetCurrent", "cuMemcpyAsync",
+                                                      "cuLaunchKernel", "cuEventRecord"};
+
+/* Make `context` current when another one is: the first step of the calls below. */
+static CUresult make_current_unlocked(EntryPoints *self, uintptr_t context) {
+    CUcontext current = NULL;
+    CUresult result = ((CtxGetCurrentFn)self->entry[CTX_GET_CURRENT])(&current);
+    if (result == 0 && (uintptr_t)current != context)
+        result = ((CtxSetCurrentFn)self->entry[CTX_SET_CURRENT])((CUcontext)context);
+    return result;
+}
+
+/* 0, or (the name of the call that failed, its CUresult). */
+static PyObject *step_result(CUresult result, int step) {
+    if (result == 0) return PyLong_FromLong(0);
+    return Py_BuildValue("(si)", step_names[step], (int)result);
+}
 
 /* copy_and_launch(context, dst, src, size, function, grid_x, block_x, shared_bytes, stream,
- * kernel_params) -> 0, or (step, CUresult) for the first step that failed (an index into
+ * kernel_params) -> 0, or (call, CUresult) for the first step that failed (call: its name in
  * COPY_AND_LAUNCH_STEPS; the later steps are not made).
  *
  * A staged apply's whole submission in one call, with the GIL released once: make `context`
@@ -227,10 +243,7 @@ static PyObject *copy_and_launch(EntryPoints *self, PyObject *const *args, Py_ss
     CUresult result;
     int step = STEP_CONTEXT;
     Py_BEGIN_ALLOW_THREADS
-    CUcontext current = NULL;
-    result = ((CtxGetCurrentFn)self->entry[CTX_GET_CURRENT])(&current);
-    if (result == 0 && (uintptr_t)current != context)
-        result = ((CtxSetCurrentFn)self->entry[CTX_SET_CURRENT])((CUcontext)context);
+    result = make_current_unlocked(self, context);
     if (result == 0 && size) {
         step = STEP_COPY;
         result = ((MemcpyAsyncFn)self->entry[MEMCPY_ASYNC])((CUdeviceptr)dst, (CUdeviceptr)src,
@@ -243,8 +256,27 @@ static PyObject *copy_and_launch(EntryPoints *self, PyObject *const *args, Py_ss
             (void **)params, NULL);
     }
     Py_END_ALLOW_THREADS
-    if (result == 0) return PyLong_FromLong(0);
-    return Py_BuildValue("(ii)", step, (int)result);
+    return step_result(result, step);
+}
+
+/* record_in(context, event, stream) -> 0, or (call, CUresult): cuEventRecord with `context`
+ * made current first (only when it is not), as the legacy and per-thread stream handles
+ * name the current context's stream. */
+static PyObject *record_in(EntryPoints *self, PyObject *const *args, Py_ssize_t nargs) {
+    uintptr_t context, event, stream;
+    if (check_count("record_in", nargs, 3) < 0 || as_address(args[0], &context) < 0 ||
+        as_address(args[1], &event) < 0 || as_address(args[2], &stream) < 0)
+        return NULL;
+    CUresult result;
+    int step = STEP_CONTEXT;
+    Py_BEGIN_ALLOW_THREADS
+    result = make_current_unlocked(self, context);
+    if (result == 0) {
+        step = STEP_RECORD;
+        result = ((EventRecordFn)self->entry[EVENT_RECORD])((CUevent)event, (CUstream)stream);
+    }
+    Py_END_ALLOW_THREADS
+    return step_result(result, step);
 }
 
 static PyMethodDef entry_points_methods[] = {
@@ -259,7 +291,9 @@ static PyMethodDef entry_points_methods[] = {
      "copy(dst, src, size, stream) -> CUresult"},
     {"copy_and_launch", (PyCFunction)(void (*)(void))copy_and_launch, METH_FASTCALL,
      "copy_and_launch(context, dst, src, size, function, grid_x, block_x, shared_bytes, "
-     "stream, kernel_params) -> 0 or (step, CUresult)"},
+     "stream, kernel_params) -> 0 or (call, CUresult)"},
+    {"record_in", (PyCFunction)(void (*)(void))record_in, METH_FASTCALL,
+     "record_in(context, event, stream) -> 0 or (call, CUresult)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -179,13 +179,23 @@ class CudaStreamWork:
             if len(self._stream_handles) >= MAX_SPARE_EVENTS:
                 self._stream_handles.clear()
             self._stream_handles[stream] = handle
-        self.ensure_context(device_index)
+        calls, cached = self._calls, self._primary_contexts.get(device_index)
         spare = self._spare_events.get(device_index)
+        if spare and calls is not None and cached is not None:
+            # The hot path (every staged apply): a spare event, the context check and the
+            # record in one C call.
+            event = spare.pop()
+            failure = calls.record_in(cached[1], event, handle)
+            if failure:
+                self.destroy_event(event)
+                call, code = failure
+                self._raise_code(code, call, stream=hex(stream), device=device_index)
+            return event
+        self.ensure_context(device_index)
         try:
             event = spare.pop()  # type: ignore[union-attr]
         except (AttributeError, IndexError):  # no spare list yet, or none spare
             event = self._new_event(device_index)
-        calls = self._calls
         if calls is not None:
             error = calls.record(event, handle)
             if error:
@@ -247,10 +257,7 @@ class CudaStreamWork:
             self._raise_copy_and_launch(failure, device_index, stream, copy, grid, block)
 
     def _raise_copy_and_launch(self, failure, device_index, stream, copy, grid, block):
-        from jaxbuf.drivers._cuda_calls import COPY_AND_LAUNCH_STEPS
-
-        step, code = failure
-        call = COPY_AND_LAUNCH_STEPS[step]
+        call, code = failure
         if call == "cuLaunchKernel":
             details = {"grid": grid, "block": block, "stream": stream}
         elif call == "cuMemcpyAsync":
