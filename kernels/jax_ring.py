@@ -240,7 +240,9 @@ class PackRing:
         slot.leaf, slot.pending, slot.guard = leaf, True, None
         self._last = slot
         self._next = (self._next + 1) % len(self._slots)
-        return PackedWrites._wrap(leaf, host.num_writes, host.num_values, host.dtype, expand)
+        return PackedWrites._wrap(
+            leaf, host.num_writes, host.num_values, host.dtype, expand, host.uniform
+        )
 
     def _scratch(self, arguments: tuple, make: Any) -> StagedWrites:
         """The StagedWrites that :func:`~jaxbuf.kernels.jax_staged.pack_writes` stages a batch

@@ -68,9 +68,10 @@ class PackedWrites:
     user writes, with nothing to compute on the device first. Unexpanded packs (a GPU
     :class:`~jaxbuf.kernels.jax_ring.PackRing`'s, by default) leave them out, and the
     scatter computes them on the device from the write columns: the host writes, and the
-    device reads across the bus, less than half the bytes. :attr:`num_writes`,
-    :attr:`num_values`, :attr:`dtype` and :attr:`expanded` are the pytree's static data, so
-    ``jit`` traces once per bucket.
+    device reads across the bus, less than half the bytes; when every write has one length
+    (:attr:`uniform`), by a division instead of a search. :attr:`num_writes`,
+    :attr:`num_values`, :attr:`dtype`, :attr:`expanded` and :attr:`uniform` are the pytree's
+    static data, so ``jit`` traces once per bucket and layout.
 
     The five fields are properties slicing the buffer: numpy views on the host (no copy); JAX
     slices and bitcasts (``lax.bitcast_convert_type``) when the buffer is a JAX array, e.g.
@@ -79,7 +80,7 @@ class PackedWrites:
     offsets, values)`` builds one from host columns (copied into a new buffer).
     """
 
-    __slots__ = ("_buffer", "_num_writes", "_num_values", "_dtype", "_expanded")
+    __slots__ = ("_buffer", "_num_writes", "_num_values", "_dtype", "_expanded", "_uniform")
     _fields = ("rows", "starts", "lengths", "offsets", "values")
 
     def __init__(self, rows: Any, starts: Any, lengths: Any, offsets: Any, values: Any) -> None:
@@ -105,19 +106,32 @@ class PackedWrites:
         self._set(packed._buffer, packed._num_writes, packed._num_values, packed._dtype, True)
 
     def _set(
-        self, buffer: Any, num_writes: int, num_values: int, dtype: np.dtype, expanded: bool
+        self,
+        buffer: Any,
+        num_writes: int,
+        num_values: int,
+        dtype: np.dtype,
+        expanded: bool,
+        uniform: bool = False,
     ) -> None:
         self._buffer, self._num_writes = buffer, num_writes
         self._num_values, self._dtype, self._expanded = num_values, dtype, expanded
+        self._uniform = uniform
 
     @classmethod
     def _wrap(
-        cls, buffer: Any, num_writes: int, num_values: int, dtype: np.dtype, expanded: bool = True
+        cls,
+        buffer: Any,
+        num_writes: int,
+        num_values: int,
+        dtype: np.dtype,
+        expanded: bool = True,
+        uniform: bool = False,
     ):
         """A PackedWrites over ``buffer`` as is (no checks: also a tracer or a placeholder
         that JAX unflattens with)."""
         packed = object.__new__(cls)
-        packed._set(buffer, num_writes, num_values, dtype, expanded)
+        packed._set(buffer, num_writes, num_values, dtype, expanded, uniform)
         return packed
 
     @property
@@ -144,6 +158,14 @@ class PackedWrites:
     def expanded(self) -> bool:
         """Whether the buffer carries :attr:`element_rows` and :attr:`element_cols`."""
         return self._expanded
+
+    @property
+    def uniform(self) -> bool:
+        """Whether the pack is unexpanded and its writes all have one length ``L > 0`` with
+        their values back to back (write ``i``'s at ``i * L``; then padding): the scatter then
+        finds each value's write by dividing by ``L`` instead of searching the offsets. Set
+        by the packer; static, so alternating uniform and mixed packs trace twice."""
+        return self._uniform
 
     def _column(self, index: int) -> Any:
         w = self._num_writes
@@ -215,7 +237,7 @@ class PackedWrites:
     def __repr__(self) -> str:
         return (
             f"PackedWrites(num_writes={self._num_writes}, num_values={self._num_values}, "
-            f"dtype={self._dtype}, expanded={self._expanded}, "
+            f"dtype={self._dtype}, expanded={self._expanded}, uniform={self._uniform}, "
             f"buffer={type(self._buffer).__name__})"
         )
 
@@ -259,6 +281,18 @@ def _expand_elements(packed: PackedWrites) -> None:
     element_cols[at] = np.minimum(np.repeat(starts, lengths) + within, _DROPPED_INDEX)
 
 
+def _uniform_layout(lengths: np.ndarray, offsets: np.ndarray) -> bool:
+    """Whether host write columns are :attr:`PackedWrites.uniform`: the first ``n`` writes
+    of one length ``L > 0`` at offsets ``0, L, 2L, ...``, the rest padding (length 0)."""
+    if not lengths.size or lengths[0] <= 0:
+        return False
+    length, n = int(lengths[0]), int(np.count_nonzero(lengths))
+    return bool(
+        (lengths[:n] == length).all()
+        and (offsets[:n] == np.arange(0, n * length, length, dtype=offsets.dtype)).all()
+    )
+
+
 def _bitcast_words(words: Any, dtype: np.dtype, count: int) -> Any:
     """The first ``count`` elements of ``dtype`` in the int32 JAX array ``words`` (bits
     reinterpreted, little-endian as on the host)."""
@@ -294,7 +328,10 @@ def _register_pytree() -> None:
         return
     tree_util.register_pytree_node(
         PackedWrites,
-        lambda p: ((p._buffer,), (p._num_writes, p._num_values, p._dtype, p._expanded)),
+        lambda p: (
+            (p._buffer,),
+            (p._num_writes, p._num_values, p._dtype, p._expanded, p._uniform),
+        ),
         lambda aux, leaves: PackedWrites._wrap(leaves[0], *aux),
     )
 
@@ -587,6 +624,8 @@ class StagedWrites:
         value_bytes[total * self._np_dtype.itemsize :] = 0
         if expand:
             _expand_elements(packed)
+        else:
+            packed._uniform = _uniform_layout(columns[2], columns[3])
         if clear:
             staging.clear()
         return packed
@@ -769,6 +808,19 @@ def _element_indices(packed: PackedWrites, platform: str) -> tuple[Any, Any]:
 
     num_values = packed.num_values
     element = jnp.arange(num_values, dtype=jnp.int32)
+    if packed.uniform:
+        # Write i holds values [i * L, (i + 1) * L): a division, no search (H200, 50
+        # applies chained, 4,096 writes of 16: see tools/experiments/scatter_variants.py).
+        # Values past the last write land on padding (length 0) or, clamped, past the last
+        # write's end: dropped either way.
+        length = jnp.maximum(packed.lengths[0], 1)
+        write = jnp.minimum(element // length, packed.num_writes - 1)
+        within = element - write * length
+        valid = within < packed.lengths[write]
+        return (
+            jnp.where(valid, packed.rows[write], _DROPPED_INDEX),
+            jnp.where(valid, packed.starts[write] + within, _DROPPED_INDEX),
+        )
     # The write holding each value: the last write whose offset is <= it, i.e. the number of
     # offsets <= it minus one (offsets are non-decreasing; empty writes share their offset
     # with the next one and are skipped). Counted the way each platform does fastest

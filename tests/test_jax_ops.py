@@ -271,8 +271,13 @@ def test_device_side_indices_equal_the_host_expansion(platform):
 
     rng = np.random.default_rng(7)
     indices = jax.jit(lambda p: _element_indices(p, platform))
-    for _ in range(25):
-        writes = _random_writes(rng, int(rng.integers(0, 40)), "int32")
+    for i in range(40):
+        if i % 2:
+            writes = _random_writes(rng, int(rng.integers(0, 40)), "int32")
+        else:  # one length: uniform packs (the division) when no two overlap
+            writes = _uniform_writes(
+                rng, int(rng.integers(1, 12)), "int32", int(rng.integers(1, 9))
+            )
         expanded = pack_writes(*writes, "int32", shape=SHAPE)
         rows, cols = indices(pack_writes(*writes, "int32", shape=SHAPE, expand=False))
         np.testing.assert_array_equal(np.asarray(rows), expanded.element_rows)
@@ -290,12 +295,68 @@ def test_scatter_targets_are_unique_so_the_scatter_may_promise_it(expand, platfo
 
     rng = np.random.default_rng(11)
     targets = jax.jit(lambda p: _scatter_targets(p, platform))
-    for _ in range(25):
+    for i in range(40):
         # Many long writes into 6 x 40: most batches overlap, and buckets leave padding.
         writes = _random_writes(rng, int(rng.integers(1, 40)), "int32")
+        if i % 2:  # one length: uniform packs when no two overlap
+            writes = _uniform_writes(
+                rng, int(rng.integers(1, 12)), "int32", int(rng.integers(1, 9))
+            )
         rows, cols = targets(pack_writes(*writes, "int32", shape=SHAPE, expand=expand))
         pairs = np.stack([np.asarray(rows), np.asarray(cols)], axis=1)
         assert len(np.unique(pairs, axis=0)) == len(pairs)
+
+
+def _uniform_writes(rng, num_writes, dtype, length, shape=SHAPE):
+    """``num_writes`` writes of one ``length``, anywhere (so some overlap)."""
+    rows = [int(r) for r in rng.integers(0, shape[0], num_writes)]
+    starts = [int(s) for s in rng.integers(0, shape[1] - length + 1, num_writes)]
+    values = [(rng.standard_normal(length) * 100).astype(dtype) for _ in range(num_writes)]
+    return rows, starts, values
+
+
+def test_uniform_is_set_exactly_when_every_write_has_one_length():
+    """An unexpanded pack is uniform when its (resolved) writes share one length: then the
+    scatter divides instead of searching. Overlaps split writes into pieces and mixed lengths
+    are not uniform; expanded packs never need it."""
+    lean = {"shape": SHAPE, "expand": False}
+    assert pack_writes([0, 1, 2], [0, 8, 16], [[1] * 4] * 3, "int32", **lean).uniform
+    assert not pack_writes([0, 1], [0, 8], [[1] * 4, [1] * 3], "int32", **lean).uniform
+    # The packer drops empty writes, so they do not break the layout.
+    assert pack_writes([0, 1, 2], [0, 8, 16], [[1] * 4, [], [2] * 4], "int32", **lean).uniform
+    # The second write covers the middle of the first: three pieces of lengths 1, 4, 3.
+    assert not pack_writes([0, 0], [0, 1], [[1] * 8, [2] * 4], "int32", **lean).uniform
+    assert not pack_writes([], [], [], "int32", **lean).uniform
+    assert not pack_writes([0, 1, 2], [0, 8, 16], [[1] * 4] * 3, "int32", shape=SHAPE).uniform
+
+
+def test_uniform_layout_checks_lengths_and_offsets():
+    from jaxbuf.kernels.jax_staged import _uniform_layout
+
+    ints = lambda *v: np.array(v, np.int32)  # noqa: E731
+    assert _uniform_layout(ints(4, 4, 4, 0, 0), ints(0, 4, 8, 12, 12))
+    assert not _uniform_layout(ints(4, 4, 4, 0), ints(0, 4, 9, 12))  # a gap before write 2
+    assert not _uniform_layout(ints(4, 0, 4, 0), ints(0, 4, 4, 8))  # an empty write inside
+    assert not _uniform_layout(ints(0, 0), ints(0, 0))
+    assert not _uniform_layout(ints(), ints())
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float16", "int8"])
+@pytest.mark.parametrize("length", [1, 5, 16])
+def test_uniform_packs_apply_like_the_model(dtype, length):
+    """Uniform packs through the division, with and without overlaps (disjoint: uniform;
+    overlapping: split into pieces, mixed), against the numpy model."""
+    rng = np.random.default_rng(length)
+    apply = jax.jit(lambda a, p: apply_staged_writes(a, p, method="scatter"))
+    seen = set()
+    for num_writes in (1, 3, 9, 30):
+        rows, starts, values = _uniform_writes(rng, num_writes, dtype, length)
+        packed = pack_writes(rows, starts, values, dtype, shape=SHAPE, expand=False)
+        seen.add(packed.uniform)
+        initial = np.asarray(rng.integers(-50, 50, SHAPE), jnp.dtype(dtype))
+        want = row_writes_model(initial.copy(), rows, starts, values)
+        np.testing.assert_array_equal(np.asarray(apply(jnp.asarray(initial), packed)), want)
+    assert True in seen  # the division ran
 
 
 def test_expand_must_be_a_bool():

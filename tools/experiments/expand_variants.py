@@ -78,6 +78,11 @@ def main() -> None:
         rows, starts, values = _workload(n)
         expanded = pack_writes(rows, starts, values, "int32", shape=_SHAPE)
         lean = pack_writes(rows, starts, values, "int32", shape=_SHAPE, expand=False)
+        # As a mixed-length pack: the variants here search (or sum); uniform packs divide
+        # (scatter_variants.py measures that).
+        lean = jax_staged.PackedWrites._wrap(
+            lean.buffer, lean.num_writes, lean.num_values, lean.dtype, False, False
+        )
         variants = {
             "plain": (lambda a, r, c, v: a.at[r, c].set(v), _plain_indices(rows, starts, values)),
             "expanded": (jax_staged._apply_scatter, (expanded,)),

@@ -6,6 +6,7 @@ indices are unique, or scattering into the flat array, make it cheaper?
 The same workload and chained-jit timing as ``expand_variants.py``. The packer resolves
 overlaps (no two kept values share a target), so ``unique_indices=True`` is a true promise for
 every kept value; padding gets distinct out-of-range targets so that it holds for all of them.
+The last variant is jaxbuf's scatter as shipped (uniform packs: a division, no search).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from expand_variants import per_apply_us, search_indices  # noqa: E402
 
 from jaxbuf.bench.jax_staged import _SHAPE, _plain_indices, _workload  # noqa: E402
 from jaxbuf.jax_ops import pack_writes  # noqa: E402
+from jaxbuf.kernels import jax_staged  # noqa: E402
 
 DROPPED = np.iinfo(np.int32).max
 
@@ -78,7 +80,11 @@ def main() -> None:
             "unrolled": (scatter2d(unrolled, False), (lean,)),
             "unrolled unique": (scatter2d(unrolled, True), (lean,)),
             "unrolled flat": (scatter_flat(unrolled), (lean,)),
+            # jaxbuf's scatter as shipped: every write has 16 values, so the pack is uniform
+            # and each value's write is found by a division.
+            "division unique (jaxbuf)": (jax_staged._apply_scatter, (lean,)),
         }
+        assert lean.uniform
         best: dict[str, float] = {}
         expected = None
         for _ in range(3):
