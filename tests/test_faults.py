@@ -771,6 +771,34 @@ def test_regression_apply_whose_event_fails_is_applied_not_restaged(cuda_device)
     driver.assert_clean()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["ensure_context", "copy_on_stream", "launch_kernel"])
+def test_a_failed_copy_or_launch_leaves_the_writes_staged(cuda_device, kind):
+    """copy_and_launch's contract on the GPU: a fault in any of its three calls (the context
+    check, the slot's device copy, the direct launch) raises, applies nothing and keeps the
+    writes staged; the retry applies them, and the slot is reused safely."""
+    from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor
+
+    driver = new_driver(cuda_device)
+    swt = StagedWriteTensor((2, 4), "int32", cuda_device, driver=driver)
+    writer = FusedStagedWriter(cuda_device, 4, driver=driver)
+    for round_ in range(3):  # past both staging slots
+        swt.stage_write(round_ % 2, 0, [round_ + 1, 7])
+        driver.fail_on(kind)
+        with pytest.raises(DriverError):
+            writer.apply([swt])
+        assert swt.num_staged_writes == 1
+        assert driver.injected[-1].kind == kind
+        writer.apply([swt])
+        assert swt.num_staged_writes == 0
+    np.testing.assert_array_equal(_read_staged(swt, cuda_device), [[3, 7, 0, 0], [2, 7, 0, 0]])
+    assert driver.calls["copy_on_stream"] and driver.calls["launch_kernel"]
+    writer.close()
+    swt.free()
+    gc.collect()
+    driver.assert_clean()
+
+
 # -- random sequences of public operations, faults armed at random positions -------------------
 def _state_machine(device: str):
     from hypothesis import strategies as st
