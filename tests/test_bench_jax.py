@@ -89,7 +89,10 @@ def test_only_jax_runs_the_three_suites_and_writes_the_decode_plot(jax_bench):
     assert (cwd / "results" / "decode-cpu.png").read_bytes()[:8] == PNG
     assert not (cwd / "results" / "growth-cpu.png").exists()
     assert f"plot: {Path('results') / 'decode-cpu.png'}" in result.stdout
-    assert "warning" not in result.stderr, result.stderr
+    # The one warning: jax.decode puts this process on JAX's platform allocator, which the
+    # hot-path suites then share (timed apart with --only, as the warning says).
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "--only jax.staged jax.views" in warnings[0], result.stderr
     # Row names are printed as text, not rich markup ("[r, c]" would vanish).
     assert "a.at[r, c].set(v)" in " ".join(result.stdout.split())
 

@@ -208,6 +208,25 @@ def test_bench_pins_jax_to_fresh_allocations_only_for_suites_that_need_it(
     recorded = json.loads(json_path.read_text())["environment"]
     expected = {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"} if platform_allocator else {}
     assert {k: v for k, v in recorded.items() if k == "XLA_PYTHON_CLIENT_ALLOCATOR"} == expected
+    assert "platform allocator" not in result.stderr  # no JAX hot-path suite was selected
+
+
+def test_bench_warns_when_jax_hot_paths_share_the_platform_allocator(monkeypatch, capsys):
+    """A run that selects a fresh-allocation suite with a JAX hot-path suite times the latter
+    under the platform allocator too: the command says so and names the separate run."""
+    from jaxbuf import bench
+    from jaxbuf.cli import _bench
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+    suites = bench.select_suites(["jax.decode", "jax.staged", "extensible.views"])
+    _bench._warn_of_shared_allocator(suites)
+    warning = capsys.readouterr().err
+    assert "jax.decode run JAX on its platform allocator" in warning
+    assert "--only jax.staged" in warning and "extensible.views" not in warning
+    # A user's own allocator setting is theirs: nothing to warn about.
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "default")
+    _bench._warn_of_shared_allocator(suites)
+    assert capsys.readouterr().err == ""
 
 
 BAD_DEVICES = ["tpu", "cuda:99", "cuda:x", "-1"]

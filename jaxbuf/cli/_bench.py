@@ -329,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
         # torch's cache is emptied between samples. Set before JAX starts (no suite has run
         # yet); a user's setting wins. The JSON records it under "environment".
         os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+        _warn_of_shared_allocator(suites)
     out = Printer()
     for module, message in bench.load_errors.items():
         print(
@@ -413,3 +414,25 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 1 if any(r["error"] for r in results) else 0
+
+
+def _warn_of_shared_allocator(suites: list) -> None:
+    """The allocator is the process's: JAX hot-path suites selected with a suite that needs
+    fresh allocations are timed under the platform allocator too (hundreds of µs a jitted
+    call on an H200), which a JAX user never runs. Say so, and how to time them apart."""
+    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") != "platform":
+        return
+    fresh = [s.name for s in suites if s.fresh_jax_allocations]
+    hot = [
+        s.name
+        for s in suites
+        if "jax" in s.requires and not s.fresh_jax_allocations and s.missing_requirement() is None
+    ]
+    if hot:
+        print(
+            f"jaxbuf: warning: {', '.join(fresh)} run JAX on its platform allocator "
+            f"(XLA_PYTHON_CLIENT_ALLOCATOR=platform), and so do {', '.join(hot)} in this run, "
+            "slower than under JAX's own pool; for their figures run them apart: "
+            f"--only {' '.join(hot)}",
+            file=sys.stderr,
+        )
