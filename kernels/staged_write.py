@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from jaxbuf._errors import attempt
+from jaxbuf.drivers.base import settle_failed_launch
 
 from .reference import CONTENT_ALIGNMENT, IntsAt, address_of
 
@@ -462,17 +462,14 @@ class CompiledLauncher:
 
     def _before_launch(self, stream: int, copy: Any) -> None:
         """What ``driver.copy_and_launch`` does before its launch, for Triton's launchers:
-        the device's context current, ``copy`` enqueued on ``stream``."""
-        self._driver.ensure_context(self.device_index)
-        if copy is not None:
-            self._driver.copy_on_stream(*copy, stream)
+        the device's context current, ``copy`` enqueued on ``stream`` (its call with no
+        program to launch)."""
+        self._driver.copy_and_launch(self.device_index, stream, copy, 0, (0, 1, 1), (1, 1, 1), 0, 0)
 
     def _after_failed_launch(self, error: BaseException, copy: Any) -> None:
         """``copy_and_launch``'s contract for Triton's launchers: when the launch fails, a
         copy enqueued before it has completed, so its source may be rewritten."""
-        if copy is not None:
-            what = "waiting for the copy enqueued before the failed launch"
-            attempt(error, what, self._driver.synchronize, self.device_index)
+        settle_failed_launch(self._driver, error, copy, self.device_index)
 
     def __call__(
         self,

@@ -313,38 +313,33 @@ static struct PyModuleDef cuda_calls_module = {
     -1, NULL,
 };
 
+/* module.<attribute> = a tuple of the `count` strings of `names`; -1 with an exception set. */
+static int add_names(PyObject *module, const char *attribute, const char *const *names,
+                     int count) {
+    PyObject *tuple = PyTuple_New(count);
+    if (tuple == NULL) return -1;
+    for (int i = 0; i < count; i++) {
+        PyObject *name = PyUnicode_FromString(names[i]);
+        if (name == NULL) {
+            Py_DECREF(tuple);
+            return -1;
+        }
+        PyTuple_SET_ITEM(tuple, i, name);
+    }
+    if (PyModule_AddObject(module, attribute, tuple) < 0) {
+        Py_DECREF(tuple);
+        return -1;
+    }
+    return 0;
+}
+
 PyMODINIT_FUNC PyInit__cuda_calls(void) {
     if (PyType_Ready(&EntryPointsType) < 0) return NULL;
     PyObject *module = PyModule_Create(&cuda_calls_module);
     if (module == NULL) return NULL;
-    PyObject *symbols = PyTuple_New(NUM_SYMBOLS);
-    if (symbols == NULL) goto fail;
-    for (int i = 0; i < NUM_SYMBOLS; i++) {
-        PyObject *name = PyUnicode_FromString(symbol_names[i]);
-        if (name == NULL) {
-            Py_DECREF(symbols);
-            goto fail;
-        }
-        PyTuple_SET_ITEM(symbols, i, name);
-    }
-    if (PyModule_AddObject(module, "SYMBOLS", symbols) < 0) {
-        Py_DECREF(symbols);
+    if (add_names(module, "SYMBOLS", symbol_names, NUM_SYMBOLS) < 0 ||
+        add_names(module, "COPY_AND_LAUNCH_STEPS", step_names, NUM_STEPS) < 0)
         goto fail;
-    }
-    PyObject *steps = PyTuple_New(NUM_STEPS);
-    if (steps == NULL) goto fail;
-    for (int i = 0; i < NUM_STEPS; i++) {
-        PyObject *name = PyUnicode_FromString(step_names[i]);
-        if (name == NULL) {
-            Py_DECREF(steps);
-            goto fail;
-        }
-        PyTuple_SET_ITEM(steps, i, name);
-    }
-    if (PyModule_AddObject(module, "COPY_AND_LAUNCH_STEPS", steps) < 0) {
-        Py_DECREF(steps);
-        goto fail;
-    }
     Py_INCREF(&EntryPointsType);
     if (PyModule_AddObject(module, "EntryPoints", (PyObject *)&EntryPointsType) < 0) {
         Py_DECREF(&EntryPointsType);

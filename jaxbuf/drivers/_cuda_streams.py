@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from jaxbuf._errors import attempt
-from jaxbuf.drivers.base import DriverError
+from jaxbuf.drivers.base import DriverError, settle_failed_launch
 
 __all__ = ["MAX_SPARE_EVENTS", "CudaStreamWork"]
 
@@ -78,11 +77,15 @@ class CudaStreamWork:
 
     def _raise_code(self, code: int, call: str, **sizes: Any) -> NoReturn:
         """Raise the DriverError for the CUresult ``code`` a C call returned."""
+        raise self._code_error(code, call, **sizes)
+
+    def _code_error(self, code: int, call: str, **sizes: Any) -> DriverError:
+        """The DriverError for the CUresult ``code`` a C call returned."""
         try:
             error = self._cu.CUresult(code)
         except ValueError:  # a code this binding's enum does not know
-            raise DriverError(call, f"CUresult {code}", **sizes) from None
-        raise DriverError(call, self._error_name(error), **sizes)
+            return DriverError(call, f"CUresult {code}", **sizes)
+        return DriverError(call, self._error_name(error), **sizes)
 
     def memset(self, ptr: int, value: int, size: int, device_index: int) -> None:
         """``cuMemsetD8Async`` on the legacy default stream."""
@@ -256,7 +259,7 @@ class CudaStreamWork:
         if failure:
             self._raise_copy_and_launch(failure, device_index, stream, copy, grid, block)
 
-    def _raise_copy_and_launch(self, failure, device_index, stream, copy, grid, block):
+    def _raise_copy_and_launch(self, failure, device_index, stream, copy, grid, block) -> NoReturn:
         call, code = failure
         if call == "cuLaunchKernel":
             details = {"grid": grid, "block": block, "stream": stream}
@@ -265,13 +268,10 @@ class CudaStreamWork:
             details = {"dst": hex(dst), "src": hex(src), "size": size}
         else:
             details = {"device": device_index}
-        try:
-            self._raise_code(code, call, **details)
-        except DriverError as error:
-            if call == "cuLaunchKernel" and copy is not None:
-                what = "waiting for the copy enqueued before the failed launch"
-                attempt(error, what, self.synchronize, device_index)
-            raise
+        error = self._code_error(code, call, **details)
+        if call == "cuLaunchKernel":
+            settle_failed_launch(self, error, copy, device_index)
+        raise error
 
     def launch_kernel(self, function, grid, block, shared, stream, args) -> None:
         """``cuLaunchKernel`` (``kernelParams=args``) in the current context: the hot path."""

@@ -298,9 +298,7 @@ class VmmDriver(abc.ABC):
         try:
             self.launch_kernel(function, grid, block, shared, stream, args)
         except BaseException as error:
-            if copy is not None:
-                what = "waiting for the copy enqueued before the failed launch"
-                attempt(error, what, self.synchronize, device_index)
+            settle_failed_launch(self, error, copy, device_index)
             raise
 
     # -- pinned host memory ---------------------------------------------------------
@@ -312,3 +310,14 @@ class VmmDriver(abc.ABC):
     @abc.abstractmethod
     def host_free(self, host_ptr: int) -> None:
         """Free memory from :meth:`host_alloc`."""
+
+
+def settle_failed_launch(
+    driver: VmmDriver, error: BaseException, copy: Any, device_index: int
+) -> None:
+    """Keep :meth:`VmmDriver.copy_and_launch`'s contract once its launch failed with
+    ``error``: a ``copy`` enqueued before it has completed (the device is synchronized), so
+    its source may be rewritten. A failed synchronize is noted on ``error``."""
+    if copy is not None:
+        what = "waiting for the copy enqueued before the failed launch"
+        attempt(error, what, driver.synchronize, device_index)

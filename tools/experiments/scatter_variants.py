@@ -18,7 +18,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from expand_variants import per_apply_us, search_indices  # noqa: E402
+from expand_variants import best_per_apply_us, search_indices  # noqa: E402
 
 from jaxbuf.bench.jax_staged import _SHAPE, _plain_indices, _workload  # noqa: E402
 from jaxbuf.jax_ops import pack_writes  # noqa: E402
@@ -85,17 +85,7 @@ def main() -> None:
             "division unique (jaxbuf)": (jax_staged._apply_scatter, (lean,)),
         }
         assert lean.uniform
-        best: dict[str, float] = {}
-        expected = None
-        for _ in range(3):
-            for name, (apply, inputs) in variants.items():
-                us, result = per_apply_us(apply, inputs, device)
-                best[name] = min(best.get(name, us), us)
-                if expected is None:
-                    expected = result
-                if not np.array_equal(result, expected):
-                    raise AssertionError(f"{name} differs from plain JAX")
-        print(n, {name: round(us, 2) for name, us in best.items()}, flush=True)
+        print(n, best_per_apply_us(variants, device, rounds=3), flush=True)
 
 
 if __name__ == "__main__":
