@@ -264,6 +264,14 @@ def test_main_in_process_returns_two_for_a_bad_device(capsys):
     )
 
 
+def test_version_prints_the_package_version():
+    import jaxbuf
+
+    result = run_cli("--version", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"jaxbuf {jaxbuf.__version__}"
+
+
 def test_no_subcommand_prints_usage(capsys):
     assert main([]) == 2
     assert "usage" in capsys.readouterr().err
@@ -488,5 +496,5 @@ def test_plot_without_matplotlib_is_one_line_and_nonzero(tmp_path):
         "bench", "--device", "cpu", "--plot", cwd=tmp_path, hide=("matplotlib",), timeout=60
     )
     assert_one_line_error(result)
-    assert "--plot needs matplotlib" in result.stderr and "jaxbuf[notebooks]" in result.stderr
+    assert "--plot needs matplotlib" in result.stderr and "jaxbuf[plot]" in result.stderr
     assert not (tmp_path / "results").exists()

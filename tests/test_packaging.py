@@ -1,12 +1,16 @@
 """A regular (non-editable) install carries everything: every package under ``jaxbuf/``, the
 kernels subpackage (installed from the top-level ``kernels/`` folder), the benchmarks and the
-command line, ``py.typed`` and the compiled extensions; the version has one source."""
+command line, ``py.typed`` and the compiled extensions; the version has one source. The sdist
+carries the license and every file the shipped docs link to; the metadata names the license
+and where the project lives."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+import tarfile
 import textwrap
 import zipfile
 from pathlib import Path
@@ -107,16 +111,30 @@ def test_the_version_has_one_source(wheel):
     assert wheel.name.startswith(f"jaxbuf-{_source_version()}-")
 
 
+def _extra_names(extras: dict[str, list[str]], extra: str) -> set[str]:
+    """The distributions ``extra`` names, with the extras it pulls through ``jaxbuf[...]``
+    expanded (``plot`` inside ``notebooks``)."""
+    names: set[str] = set()
+    for spec in extras[extra]:
+        name = re.split(r"[\[<>=~!; ]", spec, maxsplit=1)[0].strip().lower()
+        if name == "jaxbuf":
+            for inner in spec.split("[", 1)[1].split("]", 1)[0].split(","):
+                names |= _extra_names(extras, inner.strip())
+        else:
+            names.add(name)
+    return names
+
+
 def test_extras_install_what_the_checks_and_notebooks_need():
     extras = _pyproject()["project"]["optional-dependencies"]
 
     def names(extra: str) -> set[str]:
-        return {
-            spec.split("[")[0].split(">")[0].split("<")[0].split("=")[0].strip().lower()
-            for spec in extras[extra]
-        }
+        return _extra_names(extras, extra)
 
     assert "ruff" in names("test")  # .ci/run runs ruff format --check and ruff check
+    assert "pytest-xdist" in names("test")  # the README's test command runs `-n auto`
+    # `--plot` needs matplotlib and nothing else: no framework, no Jupyter.
+    assert names("plot") == {"matplotlib"}
     # `jupyter nbconvert --to notebook --execute` needs the command, nbconvert, a kernel, and
     # what the notebooks import.
     assert {"jupyter-core", "nbconvert", "nbclient", "ipykernel", "matplotlib"} <= names(
@@ -135,3 +153,55 @@ def test_ruff_is_configured():
     config = _pyproject()["tool"]["ruff"]
     assert config["line-length"] == 100 and config["target-version"] == "py310"
     assert {"E", "F", "W", "I", "UP", "B", "SIM"} <= set(config["lint"]["select"])
+
+
+def test_license_is_apache_2_0_in_full():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n")
+    for words in ("Version 2.0, January 2004", "END OF TERMS AND CONDITIONS", "APPENDIX"):
+        assert words in text, words
+
+
+def test_metadata_names_the_project_urls():
+    urls = _pyproject()["project"]["urls"]
+    assert {"Homepage", "Source", "Issues", "Changelog"} <= urls.keys()
+    assert all(url.startswith("https://") for url in urls.values()), urls
+
+
+def _shipped_links() -> set[str]:
+    """Every repository file that the shipped documents link to (relative Markdown links),
+    as paths from the root."""
+    documents = [ROOT / "README.md", ROOT / "notebooks" / "README.md"]
+    documents += [p for p in (ROOT / "BENCHMARKS.md", ROOT / "RELIABILITY.md") if p.is_file()]
+    documents += sorted((ROOT / "docs").glob("*.md"))
+    links = set()
+    for document in documents:
+        for target in re.findall(r"\]\(([^)#\s]+)", document.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path = (document.parent / target).resolve()
+            if path.exists():
+                links.add(path.relative_to(ROOT).as_posix())
+    return links
+
+
+def test_sdist_carries_the_license_docs_notebooks_and_linked_reports(tmp_path):
+    pytest.importorskip("setuptools")
+    # egg_info goes to tmp_path, not the source tree, so a wheel built beside it does not race.
+    command = [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)]
+    command += ["sdist", "-d", str(tmp_path)]
+    build = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    if build.returncode:
+        pytest.skip(f"cannot build an sdist here: {build.stderr[-500:]}")
+    (sdist,) = tmp_path.glob("jaxbuf-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    linked = _shipped_links()
+    assert {"BENCHMARKS.md", "RELIABILITY.md", "docs/ARCHITECTURE.md"} <= linked
+    missing = linked - names
+    assert not missing, f"linked from the docs but not in the sdist (MANIFEST.in): {missing}"
+    assert {"LICENSE", "README.md", "pyproject.toml", "setup.py", "jaxbuf/_capsule.c"} <= names
+    for notebook in (ROOT / "notebooks").glob("*.ipynb"):
+        assert f"notebooks/{notebook.name}" in names
+        assert f"notebooks/{notebook.stem}.py" in names  # its jupytext source
+    assert not any(name.endswith(".so") or "__pycache__" in name for name in names)

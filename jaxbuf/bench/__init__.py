@@ -83,7 +83,7 @@ EXTRA_FOR_MODULE = {
     "jaxlib": "jax",
     "triton": "triton",
     "cuda.bindings": "cuda",
-    "matplotlib": "notebooks",
+    "matplotlib": "plot",
     "rich": "cli",
 }
 

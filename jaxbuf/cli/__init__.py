@@ -33,9 +33,12 @@ EXIT_USAGE = 2
 
 
 def _parser() -> argparse.ArgumentParser:
+    from jaxbuf import __version__
+
     parser = argparse.ArgumentParser(
         prog="jaxbuf", description="Device memory shared zero-copy by JAX and torch."
     )
+    parser.add_argument("--version", action="version", version=f"jaxbuf {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{info,bench,demo}")
     device_help = "cpu, cuda or cuda:N (default: CUDA when it works here, else the CPU)"
 
