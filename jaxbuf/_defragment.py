@@ -72,7 +72,11 @@ class Defragmenting:
     base_ptr: int
     access_devices: tuple[int, ...]
 
+    _listeners: tuple[Any, ...]
+
     # Implemented by the virtual buffer.
+    def _notify_mapped(self, chunks: list[tuple[int, int]]) -> None: ...
+    def _notify_unmapping(self, chunks: list[tuple[int, int]]) -> None: ...
     def _check_alive(self) -> None: ...
     def _insert_chunk(self, chunk: Chunk) -> None: ...
     def _remove_chunk(self, offset: int) -> None: ...
@@ -122,6 +126,10 @@ class Defragmenting:
             return False
         driver, device_index, granularity = self._driver, self.device_index, self.granularity
         size, base = last - first, self.base_ptr
+        old_ranges = [(offset, chunk_size) for offset, chunk_size, _ in old]
+        if self._listeners:
+            # Registrations go before the old chunks move out; a refusal changes nothing.
+            self._notify_unmapping(old_ranges)
         # Pending work (a consumer's kernel, on the owner or a peer) may still write the
         # old chunks.
         for access_device in self.access_devices:
@@ -164,6 +172,9 @@ class Defragmenting:
                 self._stray_reservations.append((new_tmp, size, [(new_tmp, size, handle)]))
                 raise
             self._undo_defragment(error, first, last, new_tmp, handle, new_at, old_tmp, moved_out)
+            if self._listeners and self._stranded is None:
+                # The old chunks are back in place: the registrations follow them again.
+                attempt(error, "re-registering the old chunks", self._notify_mapped, old_ranges)
             raise
         # Committed: the bookkeeping now names the new chunk (the committed runs are
         # unchanged), then the old chunks and the temporary reservations go.
@@ -174,6 +185,15 @@ class Defragmenting:
             old_tmp, size, [(old_tmp + o - first, n, h) for o, n, h in old]
         )
         errors += self._cleanup_temporary(new_tmp, size, [])
+        if self._listeners:
+            try:
+                self._notify_mapped([(first, size)])
+            except Exception as error:  # noqa: BLE001 - raised below, after the cleanup errors
+                error.add_note(
+                    "defragment completed (the span is one chunk) but a registration of the "
+                    "new chunk failed: the span is registered with no listener"
+                )
+                errors.insert(0, error)
         if errors:
             errors[0].add_note(
                 "defragment completed (the span is one chunk); cleaning up the old chunks "

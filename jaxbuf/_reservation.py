@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from jaxbuf._defragment import Defragmenting
 from jaxbuf._errors import attempt, raise_first
@@ -24,7 +24,14 @@ from jaxbuf._intervals import IntervalSet
 from jaxbuf._lifetime import release_when_collected
 from jaxbuf.drivers.base import VmmDriver
 
-__all__ = ["MIN_GRANULARITY", "VirtualBuffer", "commit_granule", "committed_buffer", "round_up"]
+__all__ = [
+    "MIN_GRANULARITY",
+    "MappingListener",
+    "VirtualBuffer",
+    "commit_granule",
+    "committed_buffer",
+    "round_up",
+]
 
 # Commit granule floor. Committing in 2 MiB units keeps the number of driver
 # allocations (and mappings) small, and matches the large-page size on x86 and the
@@ -41,6 +48,29 @@ def commit_granule(driver: VmmDriver, device_index: int) -> int:
     :data:`MIN_GRANULARITY` (rounded up to a multiple of the driver granularity)."""
     driver_granularity = driver.granularity(device_index)
     return round_up(max(driver_granularity, MIN_GRANULARITY), driver_granularity)
+
+
+class MappingListener(Protocol):
+    """What another engine's registration (NIXL, UCX, NCCL) implements to follow the memory.
+
+    Both methods receive ``(offset, size)`` pairs: whole chunks, byte offsets from the
+    buffer's ``base_ptr`` (which never moves), sorted by offset.
+
+    ``mapped(chunks)``
+        Called after the chunks were created, mapped *and* granted access (a grow, a
+        recommit after :meth:`VirtualBuffer.release_physical`, the one chunk a defragment
+        made, old chunks a failed defragment put back). Raising undoes a grow: the chunks are
+        unmapped again (listeners notified before are told ``unmapping`` first) and the error
+        propagates, so no memory is committed that a listener could not follow.
+    ``unmapping(chunks)``
+        Called before the chunks are unmapped (release, defragment, free). Raising refuses
+        the operation before anything changes (a transfer still in flight over the chunks),
+        so nothing ever stays registered over unmapped memory.
+    """
+
+    def mapped(self, chunks: list[tuple[int, int]]) -> None: ...
+
+    def unmapping(self, chunks: list[tuple[int, int]]) -> None: ...
 
 
 class VirtualBuffer(Defragmenting):
@@ -101,6 +131,9 @@ class VirtualBuffer(Defragmenting):
         # free_reserved failed): (ptr, size, [(ptr, size, handle) still mapped there]).
         # release_physical retries them.
         self._stray_reservations: list[tuple[int, int, list[tuple[int, int, Any]]]] = []
+        # Registrations following the memory (see MappingListener). Empty for almost every
+        # buffer: each notification site tests this tuple first, so they cost nothing then.
+        self._listeners: tuple[MappingListener, ...] = ()
         driver.ensure_context(device_index)
         self.base_ptr = driver.reserve(self.reserved_size, granularity)
 
@@ -152,9 +185,70 @@ class VirtualBuffer(Defragmenting):
                 last = -(-end // granularity) * granularity
                 for gap_start, gap_end in gaps(first, last):
                     new_chunks.append(commit_gap(gap_start, gap_end))
+            if self._listeners and new_chunks:
+                self._notify_mapped([(offset, size) for offset, size, _ in new_chunks])
         except BaseException as error:
             for chunk in reversed(new_chunks):
                 self._rollback_chunk(chunk, error)
+            raise
+
+    # -- listeners (registrations that follow the memory) ---------------------------
+    def add_mapping_listener(self, listener: MappingListener) -> None:
+        """Attach ``listener``: it is told ``mapped`` of every chunk mapped now, then of
+        every chunk mapped later, and ``unmapping`` before any is unmapped.
+
+        If the first ``mapped`` call raises, the listener is not attached.
+        """
+        self._check_alive()
+        if any(existing is listener for existing in self._listeners):
+            raise ValueError(f"{listener!r} is already attached to this {self.what}")
+        if self._chunks:
+            listener.mapped(self.mapped_chunks())
+        self._listeners = (*self._listeners, listener)
+
+    def remove_mapping_listener(self, listener: MappingListener) -> None:
+        """Detach ``listener``, telling it ``unmapping`` of every chunk mapped now first
+        (it raises to refuse, and stays attached). A listener not attached: ValueError."""
+        if not any(existing is listener for existing in self._listeners):
+            raise ValueError(f"{listener!r} is not attached to this {self.what}")
+        if self._chunks:
+            listener.unmapping(self.mapped_chunks())
+        self._listeners = tuple(item for item in self._listeners if item is not listener)
+
+    def remove_all_mapping_listeners(self) -> None:
+        """Detach every listener as :meth:`remove_mapping_listener` does, in reverse order of
+        attaching; the first refusal propagates and leaves the rest attached."""
+        for listener in reversed(self._listeners):
+            self.remove_mapping_listener(listener)
+
+    def mapped_chunks(self) -> list[tuple[int, int]]:
+        """``(offset, size)`` of every mapped chunk, sorted by offset."""
+        return [(offset, size) for offset, size, _ in self._chunks]
+
+    def _notify_mapped(self, chunks: list[tuple[int, int]]) -> None:
+        """Tell every listener ``mapped``; if one raises, those told before it are told
+        ``unmapping`` (failures there become notes) and the error propagates."""
+        told: list[MappingListener] = []
+        try:
+            for listener in self._listeners:
+                listener.mapped(chunks)
+                told.append(listener)
+        except BaseException as error:
+            for listener in reversed(told):
+                attempt(error, f"undoing {listener!r}.mapped", listener.unmapping, chunks)
+            raise
+
+    def _notify_unmapping(self, chunks: list[tuple[int, int]]) -> None:
+        """Tell every listener ``unmapping``; if one refuses, those told before it are told
+        ``mapped`` again (failures there become notes) and the refusal propagates."""
+        told: list[MappingListener] = []
+        try:
+            for listener in self._listeners:
+                listener.unmapping(chunks)
+                told.append(listener)
+        except BaseException as error:
+            for listener in reversed(told):
+                attempt(error, f"undoing {listener!r}.unmapping", listener.mapped, chunks)
             raise
 
     def _commit_gap(self, offset: int, size_end: int) -> tuple[int, int, Any]:
@@ -264,14 +358,26 @@ class VirtualBuffer(Defragmenting):
         self.access_devices = self.access_devices + tuple(device_indices)
 
     # -- releasing ------------------------------------------------------------------
-    def release_physical(self) -> None:
+    def tell_unmapping(self) -> None:
+        """Tell the listeners ``unmapping`` of every mapped chunk (a refusal raises with
+        nothing changed): the first step of :meth:`release_physical`, for a caller that
+        must know a refusal from a driver failure."""
+        if self._listeners and self._chunks:
+            self._notify_unmapping(self.mapped_chunks())
+
+    def release_physical(self, *, listeners_told: bool = False) -> None:
         """Unmap and release every chunk, keeping the reservation.
 
-        Best effort over all chunks: a chunk whose unmap fails stays tracked (and
-        committed); the first error is raised with the others attached as notes.
+        The listeners are told first (unless ``listeners_told``: the caller did
+        :meth:`tell_unmapping`); one that refuses raises with nothing changed. Best effort
+        over all chunks: a chunk whose unmap fails stays tracked (and committed); the first
+        error is raised with the others attached as notes.
         """
         if self._released:
             return
+        if not listeners_told:
+            # Before anything is waited for or unmapped: a refusal changes nothing.
+            self.tell_unmapping()
         driver = self._driver
         driver.ensure_context(self.device_index)
         errors: list[BaseException] = self._retry_stray_reservations()
@@ -313,6 +419,14 @@ class VirtualBuffer(Defragmenting):
         for chunk in still_mapped:
             self._committed.add(chunk[0], chunk[0] + chunk[1])
             self._insert_chunk(chunk)
+        if self._listeners and still_mapped and errors:
+            # Chunks that could not be unmapped stay mapped: the listeners follow them again.
+            attempt(
+                errors[0],
+                "re-registering the chunks still mapped",
+                self._notify_mapped,
+                [(offset, size) for offset, size, _ in still_mapped],
+            )
         if not still_mapped:
             self._stranded = None
         raise_first(errors, "release_physical")

@@ -21,7 +21,7 @@ from jaxbuf._checks import as_int as _as_int
 from jaxbuf._defragment import defragment_segments
 from jaxbuf._errors import attempt
 from jaxbuf._owner import Lifetime
-from jaxbuf._reservation import MIN_GRANULARITY, commit_granule, round_up
+from jaxbuf._reservation import MIN_GRANULARITY, MappingListener, commit_granule, round_up
 from jaxbuf._reservation import VirtualBuffer as _VirtualBuffer
 from jaxbuf._resolve import resolve
 from jaxbuf._segments import SegmentedReservation
@@ -395,6 +395,29 @@ class ExtensibleTensor(SegmentedReservation):
         if previous is not None:
             self._driver.destroy_event(previous)
 
+    # -- registrations that follow the memory ----------------------------------------
+    def add_mapping_listener(self, listener: MappingListener) -> None:
+        """Attach a registration that follows the memory (a
+        :class:`~jaxbuf._reservation.MappingListener`): it is told ``mapped(chunks)`` of the
+        chunks mapped now and after every grow, recommit and defragment, and
+        ``unmapping(chunks)`` before :meth:`release_physical`, :meth:`defragment` or
+        :meth:`free` unmaps any (raising there refuses the operation, before it changes
+        anything). Chunks are ``(offset, size)`` from :attr:`base_ptr`. With no listener
+        attached the grow path costs what it did.
+        """
+        self._live_buffer().add_mapping_listener(listener)
+
+    def remove_mapping_listener(self, listener: MappingListener) -> None:
+        """Detach ``listener`` (told ``unmapping`` of the chunks mapped now). After
+        :meth:`free` every listener is detached already: then this does nothing."""
+        if self._lifetime.anchor is None:
+            return
+        self._live_buffer().remove_mapping_listener(listener)
+
+    def mapped_chunks(self) -> list[tuple[int, int]]:
+        """``(offset, size)`` of every driver allocation mapped now, by offset."""
+        return self._live_buffer().mapped_chunks()
+
     # -- releasing ------------------------------------------------------------------
     def release_physical(self) -> None:
         """Drop all physical pages but keep the reservation and its views.
@@ -403,10 +426,16 @@ class ExtensibleTensor(SegmentedReservation):
         operation that invalidates live arrays: they keep their address, and touching them
         faults (the CPU driver: ``SIGSEGV``) until a grow commits memory again; then they
         work (fresh CPU memory reads zeros; CUDA memory is undefined without ``zero_new``).
+
+        A mapping listener (:meth:`add_mapping_listener`) that refuses raises here with
+        nothing changed; a driver failure while releasing still drops the sizes.
         """
         buffer = self._live_buffer()
+        # A registration that refuses (a transfer in flight) refuses before anything
+        # changes, so the sizes stand; a driver failure after that drops them (see above).
+        buffer.tell_unmapping()
         try:
-            buffer.release_physical()
+            buffer.release_physical(listeners_told=True)
         finally:
             self._committed = [0] * self.num_segments
 
@@ -437,6 +466,10 @@ class ExtensibleTensor(SegmentedReservation):
         buffer = self._buffer
         if buffer is None:
             return
+        if not self._lifetime.closed:
+            # "I am done" ends every registration now, even while exports keep the memory
+            # mapped; a refusal (a transfer in flight) propagates before anything changes.
+            buffer.remove_all_mapping_listeners()
         self._committed = [0] * self.num_segments
         if self._lifetime.closed:  # a release that failed before: retry it
             self._release_now(buffer)

@@ -1,0 +1,451 @@
+"""Block transfers in a KV cache's own terms, between two endpoints over NIXL.
+
+A :class:`KVLayout` says how a buffer holds a cache: blocks of ``block_bytes`` bytes from the
+start of each of its segments (segments as K and V, or as layers). A :class:`KVEndpoint` is one
+side: a buffer, its :class:`~jaxbuf.transfer.Registration` and its layout. Peers exchange
+:meth:`KVEndpoint.metadata` once and again after growth; :meth:`KVEndpoint.read` and
+:meth:`KVEndpoint.write` move lists of block ids (block ``local[i]`` of every chosen segment
+here <-> block ``remote[i]`` of the same segment there).
+
+Descriptors never span two registrations: NIXL refuses one that does (``NIXL_ERR_NOT_FOUND``).
+Blocks that lie inside one registration on both sides go through prepared descriptor lists
+(``prep_xfer_dlist`` once per layout epoch, ``make_prepped_xfer`` per transfer: NIXL's fast
+path); a request with a block that crosses a registration boundary on either side (a block
+that spans growth, a block size that does not divide the chunk) is split at the boundaries of
+both sides and built by hand. Either way the same bytes move, and a block outside what a side
+registered is refused with an error naming it before NIXL is called.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxbuf._checks import as_int
+from jaxbuf.dtypes import uint8
+from jaxbuf.transfer._blocks import BlockTable, KVLayout, block_ids, describe, split_pairs
+from jaxbuf.transfer._nixl import LOCAL_AGENT, Agent
+from jaxbuf.transfer._registration import DEFAULT_RELEASE_TIMEOUT, Registration
+from jaxbuf.transfer._wire import RemoteLayout, decode, encode
+from jaxbuf.views import BufferView
+
+__all__ = ["KVEndpoint", "KVLayout", "Peer", "Transfer", "TransferError"]
+
+DEFAULT_TIMEOUT = 60.0
+"""Seconds :meth:`Transfer.wait` waits by default."""
+_SPIN_SECONDS = 2e-4  # poll without sleeping this long: small transfers finish in microseconds
+
+
+class TransferError(RuntimeError):
+    """NIXL reported a transfer failed; the message names the blocks."""
+
+
+class Transfer:
+    """One posted block transfer. :meth:`wait` returns when it is done (raising
+    :class:`TransferError` if NIXL reports a failure, ``TimeoutError`` after ``timeout``);
+    the NIXL handle is released once it has finished."""
+
+    def __init__(self, agent: Agent, handle: Any, what: str, registration: Registration) -> None:
+        self._agent, self._handle, self.what = agent, handle, what
+        self._registration = registration
+        self.error: str | None = None
+        self.finished = False
+        registration.track(self)
+
+    def __repr__(self) -> str:
+        return f"Transfer({self.what})"
+
+    def _finish(self, error: str | None) -> None:
+        self.finished, self.error = True, error
+        self._registration.untrack(self)
+        handle, self._handle = self._handle, None
+        self._agent.release_transfer(handle)
+
+    def settle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the transfer to finish (done or failed);
+        whether it has. Never raises a failure of the transfer (:meth:`wait` does)."""
+        if self.finished:
+            return True
+        agent, handle = self._agent, self._handle
+        start = time.monotonic()
+        while True:
+            state = agent.state(handle)
+            if state != "PROC":
+                self._finish(None if state == "DONE" else f"NIXL reported {state}")
+                return True
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                return False
+            if waited > _SPIN_SECONDS:
+                time.sleep(min(1e-4, timeout - waited))
+
+    def wait(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Wait for the transfer; TimeoutError (it stays in flight) or TransferError."""
+        if not self.settle(timeout):
+            raise TimeoutError(f"{self.what} did not finish within {timeout} s")
+        if self.error is not None:
+            raise TransferError(f"{self.what} failed: {self.error}")
+
+    @property
+    def done(self) -> bool:
+        """Whether the transfer has finished, checked now (without waiting)."""
+        return self.settle(0.0)
+
+
+class Peer:
+    """The other endpoint as this one knows it: its validated
+    :class:`~jaxbuf.transfer._wire.RemoteLayout`, and the prepared descriptor list of its
+    blocks (made again when its metadata changes)."""
+
+    def __init__(self, layout: RemoteLayout) -> None:
+        self.layout = layout
+        self.name = layout.agent
+        self.table: BlockTable | None = None
+        self.dlist: Any = None
+
+
+class KVEndpoint:
+    """One side of block transfers: ``tensor`` registered with ``agent``, seen as ``layout``.
+
+    Invariants: the prepared descriptor lists (local and each peer's) always describe the
+    current registrations of their side (they are made again when its epoch or committed
+    sizes change, before a transfer uses them); every NIXL object this endpoint made is
+    released by :meth:`close` (``agent.live_dlists`` and ``live_transfers`` return to what
+    they were).
+
+    Parameters
+    ----------
+    agent : Agent
+    tensor : ExtensibleTensor
+    layout : KVLayout
+    registration : Registration, optional
+        Default: a new one over the layout's segments, closed with the endpoint.
+    release_timeout : float
+        For the registration this endpoint makes (see :class:`Registration`).
+    """
+
+    def __init__(
+        self,
+        agent: Agent,
+        tensor: Any,
+        layout: KVLayout,
+        *,
+        registration: Registration | None = None,
+        release_timeout: float = DEFAULT_RELEASE_TIMEOUT,
+    ) -> None:
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {layout!r}")
+        self.segments = layout.segments_of(tensor)
+        self.layout, self.agent, self.tensor = layout, agent, tensor
+        self._owns_registration = registration is None
+        if registration is None:
+            registration = Registration(
+                agent, tensor, self.segments, release_timeout=release_timeout
+            )
+        elif registration.tensor is not tensor or registration.agent is not agent:
+            raise ValueError("the registration is of another tensor or agent")
+        self.registration = registration
+        self.peers: dict[str, Peer] = {}
+        self._table: BlockTable | None = None
+        self._table_key: tuple | None = None
+        self._dlist: Any = None
+        self._pending_notifications: dict[str, list[bytes]] = {}
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"KVEndpoint(agent={self.agent.name!r}, peers={sorted(self.peers)})"
+
+    # -- metadata ---------------------------------------------------------------------
+    def remote_layout(self) -> RemoteLayout:
+        """What a peer learns about this side (see :mod:`jaxbuf.transfer._wire`)."""
+        tensor, registration = self.tensor, self.registration
+        offsets, capacities = tensor.segment_offsets, tensor.segment_capacities
+        committed = tensor.committed_sizes
+        return RemoteLayout(
+            agent=self.agent.name,
+            epoch=registration.epoch,
+            mem_type=registration.mem_type,
+            device_id=registration.device_id,
+            base=tensor.base_ptr,
+            capacity=tensor.capacity_bytes,
+            block_bytes=self.layout.block_bytes,
+            segment_offsets=tuple(offsets[s] for s in self.segments),
+            segment_capacities=tuple(capacities[s] for s in self.segments),
+            committed=tuple(committed[s] for s in self.segments),
+            registrations=tuple(registration.registered_ranges()),
+            nixl_metadata=self.agent.metadata(),
+        )
+
+    def metadata(self) -> bytes:
+        """The message to send to peers now, and again after this side grows, releases or
+        defragments (its epoch says which is newer)."""
+        self._check_open()
+        return encode(self.remote_layout())
+
+    def connect(self, message: bytes) -> Peer:
+        """Learn a peer from its :meth:`metadata` message, or learn a known peer's growth.
+
+        The message is validated first (:func:`~jaxbuf.transfer._wire.decode`; ValueError),
+        against this layout (same block size and segment count) and, for a known peer,
+        against its last message (newer epoch, same reservation). A peer that dropped
+        registrations is forgotten by NIXL and loaded again, so no stale registration of it
+        stays usable here.
+        """
+        self._check_open()
+        peek = decode(message)
+        known = self.peers.get(peek.agent)
+        layout = peek if known is None else decode(message, known.layout)
+        if layout.block_bytes != self.layout.block_bytes:
+            raise ValueError(
+                f"peer {layout.agent!r} uses blocks of {layout.block_bytes} bytes, this "
+                f"endpoint {self.layout.block_bytes}"
+            )
+        if len(layout.segment_offsets) != len(self.segments):
+            raise ValueError(
+                f"peer {layout.agent!r} has {len(layout.segment_offsets)} segment(s) in its "
+                f"layout, this endpoint {len(self.segments)}"
+            )
+        if layout.agent == self.agent.name:
+            raise ValueError(f"peer {layout.agent!r} has this endpoint's own agent name")
+        if known is not None:
+            self._drop_peer_dlist(known)
+            if set(known.layout.registrations) - set(layout.registrations):
+                self.agent.remove_remote(known.name)
+        name = self.agent.add_remote(layout.nixl_metadata)
+        if name != layout.agent:
+            self.agent.remove_remote(name)
+            raise ValueError(
+                f"the NIXL metadata is of agent {name!r}, the layout names {layout.agent!r}"
+            )
+        peer = known if known is not None else Peer(layout)
+        peer.layout = layout
+        self.peers[peer.name] = peer
+        return peer
+
+    # -- tables and prepared lists ------------------------------------------------------
+    def _local(self) -> tuple[BlockTable, Any]:
+        tensor, registration = self.tensor, self.registration
+        committed = tensor.committed_sizes
+        key = (registration.epoch, tuple(committed))
+        if key != self._table_key:
+            self._release_local_dlist()
+            table = BlockTable(
+                tensor.base_ptr,
+                [tensor.segment_offsets[s] for s in self.segments],
+                [committed[s] for s in self.segments],
+                self.layout.block_bytes,
+                registration.registered_ranges(),
+                registration.device_id,
+            )
+            if len(table.rows):
+                self._dlist = self.agent.prep_dlist(LOCAL_AGENT, table.rows, registration.mem_type)
+            self._table, self._table_key = table, key
+        return self._table, self._dlist  # type: ignore[return-value]
+
+    def _remote(self, peer: Peer) -> tuple[BlockTable, Any]:
+        if peer.table is None:
+            layout = peer.layout
+            table = BlockTable(
+                layout.base,
+                layout.segment_offsets,
+                layout.committed,
+                layout.block_bytes,
+                layout.registrations,
+                layout.device_id,
+            )
+            if len(table.rows):
+                peer.dlist = self.agent.prep_dlist(peer.name, table.rows, layout.mem_type)
+            peer.table = table
+        return peer.table, peer.dlist
+
+    def _release_local_dlist(self) -> None:
+        dlist, self._dlist, self._table, self._table_key = self._dlist, None, None, None
+        if dlist is not None:
+            self.agent.release_dlist(dlist)
+
+    def _drop_peer_dlist(self, peer: Peer) -> None:
+        dlist, peer.dlist, peer.table = peer.dlist, None, None
+        if dlist is not None:
+            self.agent.release_dlist(dlist)
+
+    # -- transfers ------------------------------------------------------------------------
+    def read(
+        self,
+        peer: Peer | str,
+        local_blocks: Any,
+        remote_blocks: Any,
+        *,
+        segments: Sequence[int] | None = None,
+        notification: bytes = b"",
+    ) -> Transfer:
+        """Post a READ of the peer's ``remote_blocks`` into this side's ``local_blocks``."""
+        return self._post("READ", peer, local_blocks, remote_blocks, segments, notification)
+
+    def write(
+        self,
+        peer: Peer | str,
+        local_blocks: Any,
+        remote_blocks: Any,
+        *,
+        segments: Sequence[int] | None = None,
+        notification: bytes = b"",
+    ) -> Transfer:
+        """Post a WRITE of this side's ``local_blocks`` into the peer's ``remote_blocks``."""
+        return self._post("WRITE", peer, local_blocks, remote_blocks, segments, notification)
+
+    def _post(
+        self,
+        operation: str,
+        peer: Peer | str,
+        local_blocks: Any,
+        remote_blocks: Any,
+        segments: Sequence[int] | None,
+        notification: bytes,
+    ) -> Transfer:
+        self._check_open()
+        peer = self._peer(peer)
+        local = block_ids(local_blocks, "local_blocks")
+        remote = block_ids(remote_blocks, "remote_blocks")
+        if len(local) != len(remote):
+            raise ValueError(
+                f"{len(local)} local block(s) but {len(remote)} remote block(s): they pair up"
+            )
+        if len(local) == 0:
+            raise ValueError("no blocks to transfer")
+        chosen = self._chosen_segments(segments)
+        if not isinstance(notification, bytes):
+            raise TypeError(f"notification must be bytes, got {type(notification).__name__}")
+        what = f"{operation} of {describe(local)} <-> {peer.name}:{describe(remote)}"
+        local_table, local_dlist = self._local()
+        remote_table, remote_dlist = self._remote(peer)
+        local_table.check_blocks(local, "local")
+        remote_table.check_blocks(remote, f"{peer.name}'s")
+        local_rows = [local_table.whole[s][local] for s in chosen]
+        remote_rows = [remote_table.whole[s][remote] for s in chosen]
+        local_index = np.concatenate(local_rows) if len(chosen) > 1 else local_rows[0]
+        remote_index = np.concatenate(remote_rows) if len(chosen) > 1 else remote_rows[0]
+        if (local_index >= 0).all() and (remote_index >= 0).all():
+            handle = self.agent.make_prepped(
+                operation, local_dlist, local_index, remote_dlist, remote_index, notification
+            )
+        else:
+            pairs = split_pairs(local_table, remote_table, chosen, local, remote, peer.name)
+            handle = self.agent.make_transfer(
+                operation,
+                pairs[0],
+                pairs[1],
+                peer.name,
+                (self.registration.mem_type, peer.layout.mem_type),
+            )
+        try:
+            state = self.agent.post(handle, notification)
+        except BaseException:
+            self.agent.release_transfer(handle)
+            raise
+        transfer = Transfer(self.agent, handle, what, self.registration)
+        if state == "ERR":
+            transfer.settle(0.0)
+            transfer.wait(0.0)  # raises TransferError naming the blocks
+        return transfer
+
+    def _peer(self, peer: Peer | str) -> Peer:
+        name = peer.name if isinstance(peer, Peer) else peer
+        known = self.peers.get(name) if isinstance(name, str) else None
+        if known is None:
+            raise ValueError(f"{peer!r} is not a connected peer (call connect with its metadata)")
+        return known
+
+    def _chosen_segments(self, segments: Sequence[int] | None) -> list[int]:
+        """Positions in this layout's segments (which are buffer segment indices)."""
+        if segments is None:
+            return list(range(len(self.segments)))
+        chosen = []
+        for segment in segments:
+            index = as_int(segment, "segment")
+            if index not in self.segments:
+                raise IndexError(f"segment {segment!r} is not in the layout {list(self.segments)}")
+            chosen.append(self.segments.index(index))
+        if not chosen:
+            raise ValueError("segments must not be empty")
+        return chosen
+
+    # -- notifications --------------------------------------------------------------------
+    def notifications(self) -> dict[str, list[bytes]]:
+        """Notifications that arrived since the last call, by sending agent."""
+        return self.agent.notifications()
+
+    def wait_notification(self, peer: Peer | str, message: bytes, timeout: float) -> None:
+        """Wait until ``peer`` sends ``message`` (with a transfer, or alone); TimeoutError
+        naming both after ``timeout`` seconds. Other notifications stay queued for
+        :meth:`wait_notification`."""
+        name = peer.name if isinstance(peer, Peer) else peer
+        deadline = time.monotonic() + timeout
+        pending = self._pending_notifications
+        while True:
+            for sender, messages in self.agent.notifications().items():
+                pending.setdefault(sender, []).extend(messages)
+            queue = pending.get(name, [])
+            if message in queue:
+                queue.remove(message)
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no notification {message!r} from {name!r} within {timeout} s")
+            time.sleep(1e-4)
+
+    def notify(self, peer: Peer | str, message: bytes) -> None:
+        """Send ``message`` to ``peer`` alone (no transfer)."""
+        self.agent.notify(self._peer(peer).name, message)
+
+    # -- views ----------------------------------------------------------------------------
+    def block_view(self, segment: int, first: int, count: int = 1) -> BufferView:
+        """A uint8 view over ``count`` blocks from block ``first`` of buffer segment
+        ``segment``: what arrived, zero-copy through ``to_jax`` / ``to_torch`` /
+        ``to_numpy`` (``.view(dtype, shape)`` to reinterpret)."""
+        index = self._chosen_segments([segment])[0]
+        first, count = as_int(first, "first"), as_int(count, "count")
+        blocks = self.tensor.committed_sizes[self.segments[index]] // self.layout.block_bytes
+        if first < 0 or count < 1 or first + count > blocks:
+            raise IndexError(
+                f"blocks [{first}, {first + count}) are outside the {blocks} committed block(s) "
+                f"of segment {segment}"
+            )
+        view = self.tensor.segment_view(self.segments[index])
+        block_bytes = self.layout.block_bytes
+        return BufferView(
+            view.ptr + first * block_bytes,
+            count * block_bytes,
+            uint8,
+            None,
+            view.device,
+            view.owner,
+            view.dlpack_device_type,
+        )
+
+    # -- closing --------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the KVEndpoint is closed")
+
+    def close(self) -> None:
+        """Release the prepared lists, forget the peers, close the registration this endpoint
+        made. Safe to call twice."""
+        if self.closed:
+            return
+        self._release_local_dlist()
+        for peer in list(self.peers.values()):
+            self._drop_peer_dlist(peer)
+            if peer.name in self.agent.remote_agents:
+                self.agent.remove_remote(peer.name)
+        self.peers.clear()
+        if self._owns_registration:
+            self.registration.close()
+        self.closed = True
+
+    def __enter__(self) -> KVEndpoint:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,89 @@
+"""The second process of the transfer tests: an endpoint over its own growing buffer, driven
+by commands over a multiprocessing pipe (``serve``), so two real processes move bytes over
+UCX. Imported by tests/test_transfer*.py and by the bench; not a test module itself."""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+MiB = 1 << 20
+
+
+def serve(connection: Any, name: str, capacity: int, num_segments: int, block_bytes: int) -> None:
+    """Answer ``(command, *args)`` tuples with ``("ok", result)`` or ``("error", repr)``."""
+    import numpy as np
+
+    import jaxbuf
+    from jaxbuf.transfer import Agent, KVEndpoint, KVLayout
+
+    tensor = jaxbuf.ExtensibleTensor(capacity, "cpu", num_segments=num_segments)
+    agent = Agent(name)
+    endpoint = KVEndpoint(agent, tensor, KVLayout(block_bytes))
+
+    def fill(segment: int, seed: int) -> None:
+        view = tensor.segment_view(segment).to_numpy()
+        view[:] = (np.arange(view.size, dtype=np.int64) * 7 + seed) % 251
+
+    def read(segment: int, start: int, nbytes: int) -> bytes:
+        return tensor.segment_view(segment).to_numpy()[start : start + nbytes].tobytes()
+
+    commands = {
+        "grow": lambda size: tensor.resize_per_segment_(size),
+        "metadata": endpoint.metadata,
+        "connect": lambda message: endpoint.connect(message).name,
+        "fill": fill,
+        "read": read,
+        "release": tensor.release_physical,
+        "defragment": tensor.defragment,
+        "write": lambda peer, local, remote, note=b"": endpoint.write(
+            peer, local, remote, notification=note
+        ).wait(30),
+        "pull": lambda peer, local, remote: endpoint.read(peer, local, remote).wait(30),
+        "wait_notification": lambda peer, message: endpoint.wait_notification(peer, message, 30),
+        "counts": lambda: (
+            agent.live_registrations,
+            agent.live_dlists,
+            agent.live_transfers,
+            tensor.num_physical_chunks,
+        ),
+    }
+    while True:
+        command, *args = connection.recv()
+        if command == "stop":
+            endpoint.close()
+            tensor.free()
+            connection.send(("ok", (agent.live_registrations, agent.live_dlists)))
+            return
+        try:
+            connection.send(("ok", commands[command](*args)))
+        except Exception as error:  # noqa: BLE001 - sent back to the test, which raises it
+            connection.send(("error", f"{type(error).__name__}: {error}"))
+
+
+class PeerProcess:
+    """A :func:`serve` process and a call interface: ``peer("grow", 4 << 20)``."""
+
+    def __init__(self, name: str, capacity: int, num_segments: int, block_bytes: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(
+            target=serve, args=(child, name, capacity, num_segments, block_bytes), daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.name = name
+
+    def __call__(self, command: str, *args: Any, timeout: float = 60.0) -> Any:
+        self.connection.send((command, *args))
+        if not self.connection.poll(timeout):
+            raise TimeoutError(f"the peer process did not answer {command!r} in {timeout} s")
+        status, result = self.connection.recv()
+        if status != "ok":
+            raise RuntimeError(f"peer {command!r} failed: {result}")
+        return result
+
+    def stop(self) -> Any:
+        result = self("stop")
+        self.process.join(30)
+        return result
