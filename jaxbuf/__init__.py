@@ -8,8 +8,9 @@ JAX only by their adapters in :mod:`jaxbuf.interop`.
 """
 
 from . import interop  # the framework adapters: jaxbuf.interop.register adds a framework
-from .devices import Device, as_device, default_device
-from .dtypes import DType, canonical_dtype
+from ._errors import ByteOrderError, ClosedError
+from .devices import Device, DeviceLike, as_device, default_device
+from .dtypes import DType, DTypeLike, canonical_dtype
 from .extensible import ExtensibleTensor, granule_size
 from .staged import FusedStagedWriter, StagedWriteTensor
 from .uva import (
@@ -28,8 +29,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BufferView",
+    "ByteOrderError",
+    "ClosedError",
     "Device",
+    "DeviceLike",
     "DType",
+    "DTypeLike",
     "ExtensibleTensor",
     "FusedStagedWriter",
     "NonUvaBuffer",

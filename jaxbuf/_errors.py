@@ -1,5 +1,20 @@
-"""Several cleanups, one error: the first failure is raised, the others ride along as notes.
+"""jaxbuf's error vocabulary for misuse, and several cleanups reported as one error.
 
+**Misuse.** One exception type per kind of misuse, the same for every owner of memory:
+
+* :class:`ClosedError` (a ``RuntimeError``): an owner (``ExtensibleTensor``, ``UvaBuffer``,
+  ``UvaBufferPool``, ``ImportedBuffer``, ``StagedWriteTensor``, ...) used after ``free()`` /
+  ``close()``. The message names the owner and what was refused; ``owner`` and ``state``
+  carry them for code. Also a ``ValueError``, which the UVA and staged owners raised
+  before: handlers written for either keep working.
+* :class:`ByteOrderError` (a ``TypeError``): a dtype of non-native byte order, which DLPack
+  cannot describe.
+
+Bad arguments stay the builtin ``ValueError`` / ``TypeError`` / ``IndexError`` naming the value;
+a failed platform call is :class:`jaxbuf.drivers.base.DriverError`; what DLPack cannot honour
+is ``BufferError``.
+
+**Cleanups.**
 Releasing memory is best effort over many pieces (chunks, slots, reservations): one failure
 must not stop the rest from being released, and none may be lost. :class:`Cleanup` runs each
 step, keeps going past failures and raises the first with the others attached as notes;
@@ -24,6 +39,44 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
+
+__all__ = ["ByteOrderError", "ClosedError", "Cleanup", "attempt", "raise_first"]
+
+
+class ClosedError(RuntimeError, ValueError):
+    """An owner of memory was used after ``free()`` or ``close()``.
+
+    ``owner`` names the owner's kind (``"ExtensibleTensor"``), ``state`` is ``"freed"`` or
+    ``"closed"``. The message reads ``the ExtensibleTensor has been freed`` (then ``: `` and
+    ``detail``, when given, saying what was refused). A ``RuntimeError``, as the owner contract
+    (:mod:`jaxbuf._owner`) says of every freed owner, and a ``ValueError``, which the UVA and
+    staged owners raised before: handlers written for either keep working. Subclasses keep
+    this constructor (``owner``, ``state``, ``detail``).
+
+    Examples
+    --------
+    >>> error = ClosedError("UvaBufferPool", "closed", "copy_to_uva needs an open pool")
+    >>> str(error)
+    'the UvaBufferPool has been closed: copy_to_uva needs an open pool'
+    >>> isinstance(error, RuntimeError), isinstance(error, ValueError), error.owner
+    (True, True, 'UvaBufferPool')
+    """
+
+    def __init__(self, owner: str, state: str = "freed", detail: str = "") -> None:
+        message = f"the {owner} has been {state}"
+        super().__init__(f"{message}: {detail}" if detail else message)
+        self.owner = owner
+        self.state = state
+        self.detail = detail
+
+    def __reduce__(self) -> Any:  # pickles (multiprocessing) with its fields, not the message
+        return type(self), (self.owner, self.state, self.detail)
+
+
+class ByteOrderError(TypeError):
+    """A dtype of non-native byte order (``'>i4'`` on a little-endian host): DLPack describes
+    native-order data only, so jaxbuf refuses it rather than hand out swapped values. A
+    ``TypeError``, like every other dtype jaxbuf cannot take."""
 
 
 def raise_first(errors: Sequence[BaseException], context: str) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from jaxbuf._defragment import Defragmenting
-from jaxbuf._errors import attempt, raise_first
+from jaxbuf._errors import ClosedError, attempt, raise_first
 from jaxbuf._intervals import IntervalSet
 from jaxbuf._lifetime import release_when_collected
 from jaxbuf.drivers.base import VmmDriver
@@ -453,7 +453,7 @@ class VirtualBuffer(Defragmenting):
 
     def _check_alive(self) -> None:
         if self._released:
-            raise RuntimeError(f"the {self.what} has been freed")
+            raise ClosedError(self.what)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(

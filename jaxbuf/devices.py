@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from . import _platforms
+
+__all__ = ["PLATFORMS", "Device", "DeviceLike", "as_device", "default_device"]
 
 PLATFORMS = ("cpu", "cuda")
 _ALIASES = {"gpu": "cuda"}  # JAX calls CUDA devices "gpu"
@@ -49,6 +51,19 @@ class Device:
         from . import interop
 
         return interop.get("jax").device(self)
+
+
+if TYPE_CHECKING:  # the framework types, for type checkers only: no framework is imported
+    import jax
+    import torch
+
+    DeviceLike: TypeAlias = str | int | Device | torch.device | jax.Device
+else:
+    DeviceLike: TypeAlias = str | int | Device | Any
+#: What a ``device=`` argument accepts: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (``"gpu"`` too), an
+#: ``int`` (a CUDA index), a :class:`Device`, a ``torch.device`` or a ``jax.Device``
+#: (recognised by their attributes, so no framework is imported). ``device=None`` means
+#: :func:`default_device`. Parsed by :func:`as_device`.
 
 
 def _parse_string(spec: str) -> Device:

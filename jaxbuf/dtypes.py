@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache, lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
+
+from ._errors import ByteOrderError
 
 # DLPack type codes (dlpack.h, DLDataTypeCode).
 K_DL_INT = 0
@@ -69,6 +71,18 @@ _DTYPES = {
 
 SUPPORTED_DTYPES: tuple[str, ...] = tuple(_DTYPES)
 
+if TYPE_CHECKING:  # the framework types, for type checkers only: no framework is imported
+    import torch
+
+    DTypeLike: TypeAlias = str | np.dtype | type | DType | torch.dtype
+else:
+    DTypeLike: TypeAlias = str | np.dtype | type | DType | Any
+#: What a ``dtype=`` argument accepts: a name (``"int32"``, ``"bfloat16"``, also spellings
+#: copied from reprs such as ``"torch.float32"``), a numpy dtype or scalar type
+#: (``np.float16``), a :class:`DType`, a ``torch.dtype`` or a JAX dtype (``jnp.bfloat16``), of
+#: native byte order (else :class:`~jaxbuf.ByteOrderError`). Parsed by :func:`canonical_dtype`;
+#: the supported ones are :data:`SUPPORTED_DTYPES`.
+
 uint8 = _DTYPES["uint8"]
 
 
@@ -83,10 +97,6 @@ def _numpy_dtype(name: str) -> np.dtype:
             ) from error
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
-
-
-class _NonNativeByteOrder(TypeError):
-    """Raised through ``canonical_dtype``'s unhashable-input fallback, which catches TypeError."""
 
 
 @lru_cache(maxsize=256)
@@ -110,7 +120,7 @@ def _canonical_by_key(key: Any) -> DType | None:
         return None
     if not numpy_dtype.isnative:
         # DLPack has no byte order: exporting '>i4' as int32 would hand out swapped values.
-        raise _NonNativeByteOrder(
+        raise ByteOrderError(
             f"dtype {key!r} has non-native byte order ({numpy_dtype.str!r}); DLPack describes "
             f"native-order data only: convert it first, e.g. array.astype("
             f"{numpy_dtype.newbyteorder('=').str!r})"
@@ -134,7 +144,7 @@ def canonical_dtype(dtype: Any) -> DType:
         raise TypeError(f"dtype must be a dtype or a dtype name, got {dtype!r}")
     try:
         result = _canonical_by_key(dtype)
-    except _NonNativeByteOrder:
+    except ByteOrderError:
         raise
     except TypeError:  # unhashable input
         result = None

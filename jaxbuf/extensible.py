@@ -19,7 +19,7 @@ from typing import Any
 from jaxbuf import interop
 from jaxbuf._checks import as_int as _as_int
 from jaxbuf._defragment import defragment_segments
-from jaxbuf._errors import attempt
+from jaxbuf._errors import ClosedError, attempt
 from jaxbuf._owner import Lifetime
 from jaxbuf._reservation import MIN_GRANULARITY, MappingListener, commit_granule, round_up
 from jaxbuf._reservation import VirtualBuffer as _VirtualBuffer
@@ -38,7 +38,6 @@ _MAX_BYTES = (1 << 63) - MIN_GRANULARITY
 #: so every segment view is aligned for any consumer: JAX imports host memory in place only at
 #: 64-byte alignment (it copies otherwise), and CUDA's own allocations are 256-byte aligned.
 SEGMENT_ALIGNMENT = 256
-_FREED = "the ExtensibleTensor has been freed"
 
 
 def _as_size(value: Any, name: str) -> int:
@@ -269,9 +268,9 @@ class ExtensibleTensor(SegmentedReservation):
 
     # -- the owner contract (jaxbuf._owner.MemoryOwner): the export hot path ------------
     def check_exportable(self) -> None:
-        """RuntimeError once :meth:`free` was called (no new views or exports)."""
+        """:class:`~jaxbuf.ClosedError` once :meth:`free` was called (no new views or exports)."""
         if self._lifetime.anchor is None:
-            raise RuntimeError(_FREED)
+            raise ClosedError("ExtensibleTensor")
 
     @property
     def export_anchor(self) -> Any:
@@ -296,7 +295,7 @@ class ExtensibleTensor(SegmentedReservation):
 
     def _live_buffer(self) -> _VirtualBuffer:
         if self._lifetime.anchor is None:
-            raise RuntimeError(_FREED)
+            raise ClosedError("ExtensibleTensor")
         return self._buffer  # type: ignore[return-value]  # set while the lifetime is open
 
     def _live_base_ptr(self) -> int:

@@ -652,7 +652,7 @@ def test_arrays_exported_from_an_import_outlive_close(framework):
     }
     assert len(result["refused"]) == 4
     for message in result["refused"]:
-        assert "ImportedBuffer is closed" in message, message
+        assert "ImportedBuffer has been closed" in message, message
     assert result["mapped_while_exported"] == 2  # the array keeps the mappings...
     assert result["intact"]  # ...and reads the owner's bytes after close()
     assert result["mapped_after"] == 0  # gone with the last array

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxbuf import interop
-from jaxbuf._errors import Cleanup
+from jaxbuf._errors import Cleanup, ClosedError
 from jaxbuf._intervals import IntervalSet
 from jaxbuf._lifetime import release_when_collected
 from jaxbuf._owner import Lifetime
@@ -313,7 +313,7 @@ class ImportedBuffer(SegmentedReservation):
         self.check_exportable()
         mappings = self._mappings
         if mappings is None:  # not while open; a clear error rather than an AttributeError
-            raise RuntimeError("the ImportedBuffer is closed")
+            raise ClosedError("ImportedBuffer", "closed")
         return mappings
 
     # -- views ------------------------------------------------------------------------
@@ -327,11 +327,13 @@ class ImportedBuffer(SegmentedReservation):
 
     # -- the owner contract (jaxbuf._owner.MemoryOwner): hot path, one read each ----------
     def check_exportable(self) -> None:
-        """``RuntimeError`` once :meth:`close` was called: no new views or exports."""
+        """:class:`~jaxbuf.ClosedError` once :meth:`close` was called: no new views or exports."""
         if self._lifetime.anchor is None:
-            raise RuntimeError(
-                "the ImportedBuffer is closed: no new views, exports or refreshes (arrays "
-                "exported before close() keep their memory until they are gone)"
+            raise ClosedError(
+                "ImportedBuffer",
+                "closed",
+                "no new views, exports or refreshes (arrays exported before close() keep "
+                "their memory until they are gone)",
             )
 
     @property

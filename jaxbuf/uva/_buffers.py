@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import interop
 from .._checks import as_int, as_shape
+from .._errors import ClosedError
 from .._owner import Lifetime
 from .._resolve import resolve
 from ..devices import Device, as_device, default_device
@@ -111,7 +112,7 @@ class _BufferBase:
 
     def _check_open(self) -> None:
         if self._lifetime.anchor is None:
-            raise ValueError(f"{type(self).__name__} is freed")
+            raise ClosedError(type(self).__name__)
 
     # -- the owner contract (jaxbuf._owner.MemoryOwner) --------------------------------------
     @property
@@ -125,7 +126,7 @@ class _BufferBase:
 
     def check_exportable(self) -> None:
         if self._lifetime.anchor is None:
-            raise RuntimeError(f"the {type(self).__name__} has been freed")
+            raise ClosedError(type(self).__name__)
 
     @property
     def export_anchor(self) -> object:

@@ -21,6 +21,7 @@ import os
 from typing import Any, NoReturn
 
 from .. import interop
+from .._errors import ClosedError
 from .._lifetime import release_when_collected
 from .._owner import Lifetime
 from ..devices import Device
@@ -160,7 +161,7 @@ class _ViewOwner:
 
     def check_exportable(self) -> None:
         if self._lifetime.anchor is None:
-            raise RuntimeError(f"the {self._what} has been freed: its views cannot be exported")
+            raise ClosedError(self._what, "freed", "its views cannot be exported")
 
     @property
     def export_anchor(self) -> object:

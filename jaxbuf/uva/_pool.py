@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import interop
 from .._checks import as_max_concurrency
-from .._errors import Cleanup
+from .._errors import Cleanup, ClosedError
 from .._lifetime import release_when_collected
 from .._resolve import resolve
 from .._staging_host import convert
@@ -413,7 +413,7 @@ class UvaBufferPool:
 
     def _grow(self, i: int, n: int) -> None:
         if self._closed:
-            raise ValueError("UvaBufferPool is closed")
+            raise ClosedError("UvaBufferPool", "closed")
         capacity = 1 << (n - 1).bit_length()
         slot = self._buffer_cls(
             (capacity, *self._row_shape), self.dtype, self.device, driver=self._driver
