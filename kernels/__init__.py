@@ -1,10 +1,16 @@
-"""Staged-write kernels (installed as ``jaxbuf.kernels``).
+"""Staged-write kernels (installed as ``jaxbuf.kernels``): functions over pointers and arrays.
 
-Importing this package needs only numpy. The Triton launcher lives in
-:mod:`jaxbuf.kernels.staged_write` and is imported on first use, so a machine without Triton can
-still use the numpy reference, selected explicitly; the JAX launcher (writes applied inside
-``jit``) in :mod:`jaxbuf.kernels.jax_staged`. Launchers are the one place outside
-:mod:`jaxbuf.interop` that may import a framework.
+The Triton kernel of the staged writes and its launchers (:mod:`jaxbuf.kernels.staged_write`,
+the direct CUDA launch in :mod:`jaxbuf.kernels.cuda_launch`), the kernel that applies a JAX pack
+(:mod:`jaxbuf.kernels.packed_write`, launched through ``jax_triton`` by :mod:`jaxbuf.staged`),
+and the numpy reference (:mod:`jaxbuf.kernels.reference`). They import no jaxbuf owner (no
+buffers, views, staged writes or framework adapters): the staged-write wing,
+:mod:`jaxbuf.staged`, builds on them.
+
+Importing this package needs only numpy; the Triton modules are imported on first use, so a
+machine without Triton can still use the numpy reference, selected explicitly. Triton is
+imported nowhere else in jaxbuf. ``jax_staged``, ``jax_ring`` and ``jax_triton_apply`` here
+are compatibility shims for names that moved to :mod:`jaxbuf.jax_ops`.
 """
 
 from .reference import (

@@ -102,7 +102,7 @@ def gpu_triton():
 
     if jax.default_backend() != "gpu":
         pytest.skip(f"JAX has no GPU backend here (default backend {jax.default_backend()})")
-    from jaxbuf.kernels import jax_triton_apply
+    from jaxbuf.staged import _jax_triton as jax_triton_apply
 
     reason = jax_triton_apply.jax_triton_unavailable_reason()
     if reason is not None:

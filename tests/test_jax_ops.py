@@ -216,11 +216,11 @@ def test_packed_writes_from_columns():
 def test_element_indices_name_every_value_target(monkeypatch, expander, seed):
     """Each packed value's element row and column is where the model puts it; padding is
     2**31 - 1 (dropped). The C loop and its numpy fallback agree."""
-    from jaxbuf.kernels import jax_staged
+    from jaxbuf.staged import _jax_packed
 
     if expander == "numpy":
-        monkeypatch.setattr(jax_staged, "c_expand_elements", None)
-    elif jax_staged.c_expand_elements is None:
+        monkeypatch.setattr(_jax_packed, "c_expand_elements", None)
+    elif _jax_packed.c_expand_elements is None:
         pytest.skip("the C extension is not built")
     rng = np.random.default_rng(seed)
     rows, starts, values_list = _random_writes(rng, int(rng.integers(0, 40)), "int32")
@@ -267,7 +267,7 @@ def test_device_side_indices_equal_the_host_expansion(platform):
     """Both ways the scatter computes an unexpanded pack's indices inside jit (the GPU's
     binary search, the CPU's prefix sum; either runs anywhere) give exactly the element rows
     and columns the host writes into an expanded pack, padding included."""
-    from jaxbuf.kernels.jax_staged import _element_indices
+    from jaxbuf.staged._jax_apply import _element_indices
 
     rng = np.random.default_rng(7)
     indices = jax.jit(lambda p: _element_indices(p, platform))
@@ -291,7 +291,7 @@ def test_scatter_targets_are_unique_so_the_scatter_may_promise_it(expand, platfo
     check: a broken promise would make colliding updates land in any order. So every
     (row, column) pair it scatters to, padding included, must differ, with overlapping
     writes (which the packer resolves) in every batch."""
-    from jaxbuf.kernels.jax_staged import _scatter_targets
+    from jaxbuf.staged._jax_apply import _scatter_targets
 
     rng = np.random.default_rng(11)
     targets = jax.jit(lambda p: _scatter_targets(p, platform))
@@ -331,7 +331,7 @@ def test_uniform_is_set_exactly_when_every_write_has_one_length():
 
 
 def test_uniform_layout_checks_lengths_and_offsets():
-    from jaxbuf.kernels.jax_staged import _uniform_layout
+    from jaxbuf.staged._jax_packed import uniform_layout as _uniform_layout
 
     ints = lambda *v: np.array(v, np.int32)  # noqa: E731
     assert _uniform_layout(ints(4, 4, 4, 0, 0), ints(0, 4, 8, 12, 12))
@@ -376,7 +376,7 @@ def test_element_expansion_refuses_writes_outside_the_values():
 
 
 def test_expand_elements_checks_its_columns():
-    from jaxbuf.kernels.jax_staged import c_expand_elements
+    from jaxbuf.staged._host import c_expand_elements
 
     if c_expand_elements is None:
         pytest.skip("the C extension is not built")

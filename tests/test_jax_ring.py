@@ -372,12 +372,64 @@ def test_bad_calls_are_named_and_change_nothing():
         with pytest.raises(TypeError, match="ring must be a PackRing"):
             staged.pack(ring=object())
         assert staged.num_staged_writes == 1 and ring.capacities == [0, 0]
-        with pytest.raises(TypeError, match="bfloat16"):  # dtype mismatch, at trace time
+        with pytest.raises(TypeError, match="bfloat16"):  # dtype mismatch, before packing
             ring.apply(jnp.zeros(SHAPE, jnp.bfloat16), staged)
-        assert staged.num_staged_writes == 0  # packed: the apply refused its array
+        assert staged.num_staged_writes == 1 and ring.capacities == [0, 0]
+        staged.clear()
         # A PackedWrites not from the ring (numpy leaf) is applied without a guard.
         array = ring.apply(array, pack_writes([1], [1], [[4]], "int32"))
     assert np.asarray(array)[1, 1] == 4
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (jnp.zeros(SHAPE, jnp.float32), TypeError, "float32"),
+        (jnp.zeros((2, *SHAPE), jnp.int32), ValueError, "2-D"),
+        (np.zeros(SHAPE, np.int32), TypeError, "jax.Array"),
+        (jnp.zeros((SHAPE[0] - 1, SHAPE[1]), jnp.int32), ValueError, "smaller than the shape"),
+        (jnp.zeros((SHAPE[0], SHAPE[1] - 1), jnp.int32), ValueError, "smaller than the shape"),
+    ],
+)
+def test_a_refused_table_keeps_the_writes_for_the_retry(bad, error, match):
+    # The table is checked before packing: nothing is cleared or packed when it is refused,
+    # and the retry on a good table applies every write (none lost, none cut off).
+    staged = StagedWrites(*SHAPE, "int32")
+    staged.stage_write(SHAPE[0] - 1, SHAPE[1] - 2, [5, 6])
+    staged.stage_write(0, 0, [1])
+    with PackRing(device="cpu") as ring:
+        with pytest.raises(error, match=match):
+            ring.apply(bad, staged)
+        assert staged.num_staged_writes == 2 and ring.capacities == [0, 0]
+        out = np.asarray(ring.apply(jnp.zeros(SHAPE, jnp.int32), staged))
+    assert out[0, 0] == 1 and out[-1, -2:].tolist() == [5, 6]
+    assert staged.num_staged_writes == 0
+
+
+def test_a_pack_refuses_a_smaller_table_naming_both_shapes():
+    staged = StagedWrites(*SHAPE, "int32")
+    staged.stage_write(SHAPE[0] - 1, 0, [7])
+    packed = staged.pack()
+    assert packed.shape == SHAPE
+    small = (SHAPE[0] - 1, SHAPE[1])
+    apply = jax.jit(apply_staged_writes)
+    with pytest.raises(
+        ValueError, match=rf"shape \({small[0]}, {small[1]}\).*\({SHAPE[0]}, {SHAPE[1]}\)"
+    ):
+        apply(jnp.zeros(small, jnp.int32), packed)
+    with PackRing(device="cpu") as ring, pytest.raises(ValueError, match="smaller"):
+        ring.apply(jnp.zeros(small, jnp.int32), packed)
+    # A larger table takes every write; an unchecked pack (no shape) any table.
+    assert np.asarray(apply(jnp.zeros((SHAPE[0] + 1, SHAPE[1]), jnp.int32), packed))[-2, 0] == 7
+    unchecked = pack_writes([0], [0], [[3]], "int32")
+    assert unchecked.shape is None
+    assert np.asarray(apply(jnp.zeros((1, 1), jnp.int32), unchecked))[0, 0] == 3
+
+
+def test_apply_names_the_jax_array_it_expects():
+    packed = pack_writes([0], [0], [[3]], "int32", shape=SHAPE)
+    with pytest.raises(TypeError, match=r"jax\.Array.*numpy\.ndarray"):
+        apply_staged_writes(np.zeros(SHAPE, np.int32), packed)
 
 
 # -- on the GPU ----------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ pytest.importorskip("triton", reason="triton is not installed")
 import jax.numpy as jnp  # noqa: E402
 
 from jaxbuf.jax_ops import apply_staged_writes, pack_writes  # noqa: E402
-from jaxbuf.kernels import jax_staged, jax_triton_apply  # noqa: E402
+from jaxbuf.staged import _jax_apply as jax_staged  # noqa: E402
+from jaxbuf.staged import _jax_triton as jax_triton_apply  # noqa: E402
 
 SHAPE = (12, 70)
 DTYPES = ["float32", "int32", "float16", "bfloat16", "int64", "int8", "bool"]
@@ -316,8 +317,8 @@ _LOWER_FOR_CUDA = textwrap.dedent("""
     import jax.numpy as jnp
 
     from jaxbuf.jax_ops import pack_writes
-    from jaxbuf.kernels import jax_staged
-    from jaxbuf.kernels.jax_triton_apply import JAX_TRITON_ALIAS
+    from jaxbuf.staged import _jax_apply as jax_staged
+    from jaxbuf.staged._jax_triton import JAX_TRITON_ALIAS
 
     jax_staged._platform = lambda array: "gpu"  # lowering for CUDA from a CPU process
     for dtype in ("int32", "bfloat16", "float16", "int8"):

@@ -116,7 +116,7 @@ def _assert_disjoint(table: np.ndarray) -> None:
 @pytest.fixture(params=["c", "numpy"])
 def packer(request, monkeypatch):
     """The writer packs with the C extension, or with its numpy fallback."""
-    import jaxbuf._packing as packing
+    import jaxbuf.staged._packing as packing
 
     if request.param == "numpy":
         monkeypatch.setattr(packing, "c_pack", None)
@@ -178,7 +178,7 @@ def test_fused_interpreted_triton_later_wins(monkeypatch, batch):
 @given(batches())
 def test_c_and_numpy_packers_emit_the_same_table(monkeypatch, batch):
     """The C resolution (incremental row index) equals the Python one, entry for entry."""
-    import jaxbuf._packing as packing
+    import jaxbuf.staged._packing as packing
 
     if packing.c_pack is None:
         pytest.skip("jaxbuf._staging is not built")
@@ -275,7 +275,7 @@ def test_resolve_later_wins_matches_in_order(writes):
 @pytest.fixture(params=["c", "python"])
 def stager(request, monkeypatch):
     """StagedWrites on the C stager, or on its Python/numpy fallback."""
-    import jaxbuf._staging_host as host
+    import jaxbuf.staged._host as host
 
     if request.param == "python":
         monkeypatch.setattr(host, "_Stager", None)
@@ -287,7 +287,7 @@ def stager(request, monkeypatch):
 @pytest.fixture(scope="module")
 def scatter():
     jax = pytest.importorskip("jax", reason="jax is not installed")
-    from jaxbuf.kernels.jax_staged import apply_staged_writes
+    from jaxbuf.jax_ops import apply_staged_writes
 
     return jax.jit(lambda a, p: apply_staged_writes(a, p, method="scatter"))
 
@@ -318,7 +318,7 @@ _JAX_BATCHES = batches(
 def test_jax_staged_writes_later_wins(stager, scatter, batch):
     import jax.numpy as jnp
 
-    from jaxbuf.kernels.jax_staged import StagedWrites, pack_writes
+    from jaxbuf.jax_ops import StagedWrites, pack_writes
 
     seed, _, ((dtype, shape, writes),) = batch
     (model,), (values,) = _model_and_values(seed, [(dtype, shape, writes)])
@@ -343,7 +343,7 @@ def test_jax_staged_writes_later_wins(stager, scatter, batch):
 def test_jax_bulk_inputs_and_errors(stager):
     """Bulk staging takes lists of lists, a 2-D array, numpy rows; a bad write stages
     nothing and names its index."""
-    from jaxbuf.kernels.jax_staged import StagedWrites
+    from jaxbuf.jax_ops import StagedWrites
 
     staged = StagedWrites(4, 8, "int32")
     staged.stage_writes(np.array([0, 1]), [0, 4], np.arange(8, dtype=np.int64).reshape(2, 4))

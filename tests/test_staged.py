@@ -115,7 +115,7 @@ def cleanup():
 @pytest.fixture(params=["c", "numpy"])
 def packer(request, monkeypatch):
     """The writer packs a slot with the C extension, or with its numpy fallback."""
-    import jaxbuf._packing as packing
+    import jaxbuf.staged._packing as packing
 
     if request.param == "numpy":
         monkeypatch.setattr(packing, "c_pack", None)
@@ -306,7 +306,7 @@ def test_overlapping_writes_later_wins_200_trials_on_gpu(cleanup):
 def test_large_applies_read_a_device_copy_and_match_the_model(cleanup):
     """Applies that pack at least DEVICE_COPY_MIN_BYTES are copied to device memory on the
     launch stream first; the result is the same later-wins result, slot reuse included."""
-    from jaxbuf.fused import DEVICE_COPY_MIN_BYTES
+    from jaxbuf.staged._fused import DEVICE_COPY_MIN_BYTES
 
     rng = np.random.default_rng(11)
     shape = (256, 1024)

@@ -28,14 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from . import interop
-from ._checks import as_int as as_index
-from ._errors import Cleanup, attempt
-from ._launch import AppliedEvent, make_launcher, raw_stream
-from ._lifetime import release_when_collected
-from ._packing import new_packer
-from ._resolve import resolve
-from ._staging_host import (
+from .. import interop
+from .._checks import as_int as as_index
+from .._errors import Cleanup, attempt
+from .._lifetime import release_when_collected
+from .._resolve import resolve
+from ..drivers.base import VmmDriver
+from ._host import (
     GROUP_FIELDS,
     WRITE_FIELDS,
     FreedError,
@@ -43,7 +42,8 @@ from ._staging_host import (
     check_backend,
     check_max_concurrency,
 )
-from .drivers.base import VmmDriver
+from ._launch import AppliedEvent, make_launcher, raw_stream
+from ._packing import new_packer
 
 __all__ = ["FusedStagedWriter"]
 
@@ -321,7 +321,7 @@ class FusedStagedWriter:
     # -- slots -----------------------------------------------------------------------------
     def _grow(self, slot: _Slot, nbytes: int) -> None:
         """Replace ``slot``'s memory by at least ``nbytes`` (a power of two)."""
-        from .uva import UvaBuffer
+        from ..uva import UvaBuffer
 
         if slot.event is not None:
             slot.event.wait()  # the old memory is freed: its reader must be done, guarded or not
@@ -339,7 +339,7 @@ class FusedStagedWriter:
         """The address of ``slot``'s device copy, (re)made at the slot's capacity."""
         copy = slot.device_copy
         if copy is None or copy.reserved_size < slot.capacity:
-            from ._reservation import committed_buffer
+            from .._reservation import committed_buffer
 
             # Releasing the old copy synchronizes the device first: no reader is left.
             new = committed_buffer(

@@ -32,10 +32,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import interop
-from ._lifetime import release_when_collected
-from .devices import Device
-from .drivers.base import VmmDriver
+from .. import interop
+from .._lifetime import release_when_collected
+from ..devices import Device
+from ..drivers.base import VmmDriver
 
 __all__ = ["AppliedEvent", "BLOCK_SIZE", "make_launcher", "raw_stream"]
 
@@ -48,7 +48,7 @@ def make_launcher(backend: str, device: Device, driver: VmmDriver | None = None)
     """The launcher for ``backend`` (checked by the caller) on ``device``; on CUDA it launches
     through ``driver`` (default: the device's shared driver)."""
     if backend == "numpy":
-        from .kernels import apply_staged_writes_numpy
+        from ..kernels import apply_staged_writes_numpy
 
         def launch_numpy(
             wt,
@@ -68,7 +68,7 @@ def make_launcher(backend: str, device: Device, driver: VmmDriver | None = None)
 
         return launch_numpy
     if not device.is_cuda:
-        from .kernels import IntsAt, apply_staged_writes
+        from ..kernels import IntsAt, apply_staged_writes
 
         def launch_interpreted(
             wt,
@@ -96,7 +96,7 @@ def make_launcher(backend: str, device: Device, driver: VmmDriver | None = None)
             )
 
         return launch_interpreted
-    from .kernels.staged_write import CompiledLauncher
+    from ..kernels.staged_write import CompiledLauncher
 
     return CompiledLauncher(device.index, block_size=BLOCK_SIZE, driver=driver)
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from ._staging_host import GROUP_FIELDS, RECORD_BYTES, WRITE_FIELDS, StagingState, c_clear, c_pack
-from .kernels.reference import resolve_later_wins
+from ..kernels.reference import resolve_later_wins
+from ._host import GROUP_FIELDS, RECORD_BYTES, WRITE_FIELDS, StagingState, c_clear, c_pack
 
 __all__ = ["CPacker", "NumpyPacker", "new_packer"]
 

@@ -18,10 +18,10 @@ import numpy as np
 
 from .. import interop
 from .._checks import as_max_concurrency
+from .._convert import convert
 from .._errors import Cleanup, ClosedError
 from .._lifetime import release_when_collected
 from .._resolve import resolve
-from .._staging_host import convert
 from ..devices import as_device
 from ..drivers import get_vmm_driver
 from ..drivers.base import VmmDriver

@@ -7,7 +7,8 @@ then, for 256 and 4,096 own-row writes of 16 int32 over four 1024 x 4096 tables,
 end-to-end time of one apply and each kernel's device time, with the slot read in place, with
 every apply copied to device memory first, and with the writer's default; then
 ``pack_writes(..., ring=)`` with a fresh against a reused ``StagedWrites``. The numbers behind
-DEVICE_COPY_MIN_BYTES and the ring's staging reuse (BENCHMARKS.md, third session).
+``FusedStagedWriter``'s ``device_copy_min_bytes`` default and the ring's
+staging reuse; rerun it after a driver or launch-path change.
 """
 
 from __future__ import annotations
@@ -20,20 +21,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from workload import SHAPE, disjoint_writes, median_us  # noqa: E402
+
 import jaxbuf  # noqa: E402
-from jaxbuf.bench._timing import measure  # noqa: E402
-from jaxbuf.bench.jax_staged import _SHAPE, _workload  # noqa: E402
 from jaxbuf.jax_ops import PackRing, StagedWrites  # noqa: E402
 from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor  # noqa: E402
 
 IN_PLACE = 1 << 62  # a device-copy threshold no apply reaches
-
-
-def median_us(fn, n=300, setup=None) -> float:
-    """Median µs of ``fn()`` over ``n`` calls after 20 untimed ones (``setup()`` untimed
-    before each): :func:`jaxbuf.bench._timing.measure`, the benches' timer."""
-    call = (lambda _: fn()) if setup is not None else fn
-    return round(measure(call, repeat=n, warmup=20, setup=setup).median_s * 1e6, 1)
 
 
 def main() -> None:
@@ -59,9 +53,8 @@ def main() -> None:
                     table.stage_write(row, start, values)
 
         for label, threshold in (("default", None), ("always copy", 0), ("in place", IN_PLACE)):
-            writer = FusedStagedWriter(device, n)
-            if threshold is not None:
-                writer._device_copy_min = threshold
+            options = {} if threshold is None else {"device_copy_min_bytes": threshold}
+            writer = FusedStagedWriter(n, device=device, **options)
 
             def apply(writer=writer) -> None:
                 writer.apply(tables)
@@ -88,12 +81,12 @@ def main() -> None:
 def ring_staging(device, n: int) -> tuple[float, float]:
     """``pack_writes(..., ring=)`` of ``n`` writes with a fresh StagedWrites each call (what
     it did before the ring kept one) against one reused ``StagedWrites``."""
-    rows, starts, values = _workload(n)
-    staged = StagedWrites(*_SHAPE, "int32")
+    rows, starts, values = disjoint_writes(n)
+    staged = StagedWrites(*SHAPE, "int32")
     with PackRing(device=device) as ring:
 
         def fresh() -> None:
-            staging = StagedWrites(*_SHAPE, "int32")
+            staging = StagedWrites(*SHAPE, "int32")
             staging.stage_writes(rows, starts, values)
             staging.pack(ring=ring)
 

@@ -3,10 +3,11 @@ indices are unique, or scattering into the flat array, make it cheaper?
 
     python3 tools/experiments/scatter_variants.py   # on a GPU (runs anywhere, slowly)
 
-The same workload and chained-jit timing as ``expand_variants.py``. The packer resolves
+The ``jax.staged`` bench's workload and chained-jit timing (``workload.py``). The packer resolves
 overlaps (no two kept values share a target), so ``unique_indices=True`` is a true promise for
 every kept value; padding gets distinct out-of-range targets so that it holds for all of them.
-The last variant is jaxbuf's scatter as shipped (uniform packs: a division, no search).
+The last variant is jaxbuf's scatter as shipped (``apply_staged_writes``' default: on uniform
+packs a division, no search). Rerun it after a JAX upgrade to check the default still wins.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from expand_variants import best_per_apply_us, search_indices  # noqa: E402
+from workload import (  # noqa: E402
+    DROPPED,
+    SHAPE,
+    best_per_apply_us,
+    disjoint_writes,
+    plain_indices,
+    search_indices,
+)
 
-from jaxbuf.bench.jax_staged import _SHAPE, _plain_indices, _workload  # noqa: E402
-from jaxbuf.jax_ops import pack_writes  # noqa: E402
-from jaxbuf.kernels import jax_staged  # noqa: E402
-
-DROPPED = np.iinfo(np.int32).max
+from jaxbuf.jax_ops import apply_staged_writes, pack_writes  # noqa: E402
 
 
 def distinct_padding(rows, cols):
@@ -67,10 +71,10 @@ def unrolled(packed):
 def main() -> None:
     device = jax.devices()[0]
     for n in (256, 4096):
-        rows, starts, values = _workload(n)
-        full = pack_writes(rows, starts, values, "int32", shape=_SHAPE)
-        lean = pack_writes(rows, starts, values, "int32", shape=_SHAPE, expand=False)
-        plain = _plain_indices(rows, starts, values)
+        rows, starts, values = disjoint_writes(n)
+        full = pack_writes(rows, starts, values, "int32", shape=SHAPE)
+        lean = pack_writes(rows, starts, values, "int32", shape=SHAPE, expand=False)
+        plain = plain_indices(rows, starts, values)
         variants = {
             "plain": (lambda a, r, c, v: a.at[r, c].set(v), plain),
             "plain unique": (lambda a, r, c, v: a.at[r, c].set(v, unique_indices=True), plain),
@@ -82,7 +86,7 @@ def main() -> None:
             "unrolled flat": (scatter_flat(unrolled), (lean,)),
             # jaxbuf's scatter as shipped: every write has 16 values, so the pack is uniform
             # and each value's write is found by a division.
-            "division unique (jaxbuf)": (jax_staged._apply_scatter, (lean,)),
+            "division unique (jaxbuf)": (apply_staged_writes, (lean,)),
         }
         assert lean.uniform
         print(n, best_per_apply_us(variants, device, rounds=3), flush=True)
