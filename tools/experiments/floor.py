@@ -20,7 +20,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
 from workload import SHAPE, disjoint_writes, median_us  # noqa: E402
 
 import jaxbuf  # noqa: E402
