@@ -8,7 +8,7 @@ of their owner (no private attributes), so a new kind of buffer is one class imp
 five members. A view's ``owner`` may also be None (a view over a foreign pointer): then there
 is nothing to check, wait for or keep alive.
 
-Lifetime (issue 12): an export (a DLPack capsule, a numpy array) keeps ``export_anchor``
+Lifetime: an export (a DLPack capsule, a numpy array) keeps ``export_anchor``
 alive, and the anchor holds the allocation, so the memory outlives the owner handle while
 arrays use it. ``free()`` on the owner means "I am done": no new exports
 (``check_exportable`` raises), the memory goes when the last export does.

@@ -267,7 +267,7 @@ class VirtualBuffer(Defragmenting):
         # chunks, as cuMemSetAccess requires (PyTorch's expandable segments grant the same
         # way). Recorded chunks keep the access they were granted; re-granting the merged
         # run, as the seed did, changes nothing and costs time growing with the run (0.7 ms
-        # at 48 GiB committed on an H200, issue 15). Existing mappings are never touched, so
+        # at 48 GiB committed on an H200). Existing mappings are never touched, so
         # CUDA graphs captured over the reservation stay valid.
         try:
             driver.set_access_many(ptr, size, self.access_devices)

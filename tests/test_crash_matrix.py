@@ -1,4 +1,4 @@
-"""The crash matrix (issue 12): every misuse the issue lists, and every sequence of public calls
+"""The crash matrix: every misuse of an owner and its exports, and every sequence of public calls
 the README's "Limits" warned about, run in a child process. Each case either works or raises
 the documented error; none may end the process by a signal.
 

@@ -190,7 +190,7 @@ print("done")
 
 
 def test_array_outlives_free():
-    """``free()`` with a live JAX array: the array keeps its memory (issue 12, item 2)."""
+    """``free()`` with a live JAX array: the array keeps its memory until its last consumer goes."""
     script = (
         CHILD_PRODUCER
         + """

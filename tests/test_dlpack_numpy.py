@@ -256,7 +256,7 @@ print("done")
 
 def test_array_outlives_free():
     """``free()`` means "I am done": an array exported before it keeps reading its values and
-    the memory goes with the last array (issue 12, item 2)."""
+    the memory goes with the last array."""
     script = (
         CHILD_PRODUCER
         + """

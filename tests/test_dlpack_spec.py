@@ -9,7 +9,7 @@ Sources (the clauses are paraphrased in each test's docstring; the tests are wri
   https://data-apis.org/array-api/latest/API_specification/generated/array_api.array.__dlpack__.html;
 * ``dlpack.h`` v1.x (``DLDataTypeCode``, the flags, NULL data for size-zero tensors).
 
-The producer's side of the ownership model (issue 12) is tested here too: every capsule holds
+The producer's side of the ownership model is tested here too: every capsule holds
 an :class:`~jaxbuf._capsule.ExportAnchor` in ``manager_ctx`` and counts in its
 ``live_exports`` until its deleter runs.
 """
@@ -396,7 +396,7 @@ def test_complex_dtypes(name, code, bits):
 
 def test_a_view_of_a_freed_owner_does_not_export(device):
     """A view taken before ``free()`` raises at ``__dlpack__``/``to_numpy`` instead of
-    exporting memory that is gone (issue 12, item 2)."""
+    exporting memory that is gone."""
     tensor, view, _ = make_view(device, "float32", (4,))
     tensor.free()
     with pytest.raises(RuntimeError, match="freed"):

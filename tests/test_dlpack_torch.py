@@ -262,7 +262,7 @@ print("done")
 
 
 def test_tensor_outlives_free():
-    """``free()`` with a live tensor: the tensor keeps its memory (issue 12, item 2)."""
+    """``free()`` with a live tensor: the tensor keeps its memory until its last consumer goes."""
     script = (
         CHILD_PRODUCER
         + """

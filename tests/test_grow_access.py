@@ -1,4 +1,4 @@
-"""Issue 15: a grow maps and grants only the chunks it adds.
+"""A grow maps and grants only the chunks it adds.
 
 ``cuMemSetAccess`` over a long committed run is slow (0.7 ms at 48 GiB on an H200) when part
 of it is newly mapped, so a grow must grant each new chunk alone (a whole chunk, as CUDA

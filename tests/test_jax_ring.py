@@ -1,4 +1,4 @@
-"""PackRing: packed writes in pinned slots that the jitted apply reads in place (issue 13).
+"""PackRing: packed writes in pinned slots that the jitted apply reads in place.
 
 On the CPU: random batches through the ring against a numpy model (slot reuse, growth,
 overlapping writes later-wins, several dtypes), the slot bytes against a fresh pack's, the

@@ -11,7 +11,7 @@ Documented behaviour tested here:
   again, touching them is an access to unmapped memory: on the CPU driver the range is
   ``PROT_NONE`` and the access dies with ``SIGSEGV`` (never reads stale bytes). After a grow the
   same views work again; freshly committed CPU memory reads zeros.
-* ``free()`` means "I am done" (issue 12): arrays exported before it (numpy, torch, JAX,
+* ``free()`` means "I am done": arrays exported before it (numpy, torch, JAX,
   unconsumed capsules) keep reading their memory, ``live_exports`` counts them, and the memory
   goes with the last one (``released``); with none it goes at once. Views taken before
   ``free()`` raise ``RuntimeError`` at every export. ``free()`` waits for JAX's pending work
@@ -313,7 +313,7 @@ def test_read_after_release_physical_faults_on_the_cpu():
     assert_segfault(result, "released")
 
 
-# -- free() means "I am done" (issue 12) ---------------------------------------------------
+# -- free() means "I am done" --------------------------------------------------------------
 def _grown(driver=None, fill: int = 7):
     """A one-segment buffer with 4096 committed bytes set to ``fill``."""
     buf = jaxbuf.ExtensibleTensor(GRANULE, "cpu", driver=driver)

@@ -1,4 +1,4 @@
-"""Beyond one device: peer access, sharded JAX arrays, NCCL over jaxbuf memory (issue 7).
+"""Beyond one device: peer access, sharded JAX arrays, NCCL over jaxbuf memory.
 
 CPU tests (run everywhere): peer-device validation and grant bookkeeping through a CPU driver
 that pretends to have two devices, and the sharded-JAX assembly over two forced JAX CPU
@@ -196,8 +196,8 @@ def test_grant_access_later_covers_committed_runs_then_new_ones():
         assert driver.grants == []
         buf.resize_per_segment_(4 * MiB)
         assert {d for _, _, d in driver.grants} == {0, 1}
-        # A grow grants only the chunks it maps (issue 15); with what grant_access granted,
-        # the peer covers every committed byte.
+        # A grow grants only the chunks it maps, never the whole run; with what grant_access
+        # granted, the peer covers every committed byte.
         assert _granted(driver, buf, 1) == [(2 * MiB, 4 * MiB), (10 * MiB, 12 * MiB)]
         driver.grants[:0] = granted_by_grant_access
         assert _granted(driver, buf, 1) == [(0, 4 * MiB), (8 * MiB, 12 * MiB)]

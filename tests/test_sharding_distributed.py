@@ -1,4 +1,4 @@
-"""``sharded_jax_array`` under ``jax.distributed``: two processes, one global array (issue 13).
+"""``sharded_jax_array`` under ``jax.distributed``: two processes, one global array.
 
 Each test starts two processes (``sys.executable``) that call ``jax.distributed.initialize`` on
 localhost. Every process owns the shards of its own devices in jaxbuf memory (one

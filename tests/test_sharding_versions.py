@@ -1,4 +1,4 @@
-"""JAX version floors (issue 13 §6): ``require_jax`` and the checks at each feature's entry.
+"""JAX version floors: ``require_jax`` and the checks at each feature's entry.
 
 An older JAX is simulated by monkeypatching ``jax.__version__`` (and ``jaxlib``'s): every entry
 must raise ImportError naming the feature, the JAX release it needs and the one installed,

@@ -1,4 +1,4 @@
-"""Sharing against a hostile peer (issue 12, item 4): every peer below is a real second process.
+"""Sharing against a hostile peer: every peer below is a real second process.
 
 This file is also a script: ``python test_sharing_hostile.py ROLE ARGS...`` runs one side of a
 conversation (see ``ROLES`` at the end). The tests make socket pairs, start the roles with

@@ -1,10 +1,10 @@
-"""Leak soak (issue 6): create/grow/view/release/free cycles leave nothing behind.
+"""Leak soak: create/grow/view/release/free cycles leave nothing behind.
 
 The soak itself is ``tools/soak.py`` (also a command; see its docstring). Each test runs it
 in this process after its warm-up and asserts that host RSS, open descriptors, mappings,
 live driver handles and (CUDA) used device memory are back at their start values.
 
-Cycle counts. The issue asks for 100,000 cycles on the CPU and 10,000 on the GPU. On the CPU
+Cycle counts. The full soak is 100,000 cycles on the CPU and 10,000 on the GPU. On the CPU
 a cycle costs 2.3-4 ms on the 2 shared cores here (at least two 2 MiB chunks, each committed and
 zero-filled by ``posix_fallocate`` in the CPU driver's ``create``), so 100,000 cycles took
 409 s (about 230 s when the machine is otherwise idle): over the few minutes CI allows. CI

@@ -556,7 +556,7 @@ def test_free_is_idempotent_and_final(device):
     writer.close()
 
 
-# Ownership (issue 12): an exported array keeps the target memory; free() means "I am done".
+# Ownership: an exported array keeps the target memory; free() means "I am done".
 FREE_WITH_LIVE_EXPORT = """
 import gc
 import numpy as np

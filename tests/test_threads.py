@@ -1,4 +1,4 @@
-"""Threads (issue 6): what jaxbuf supports from several threads, tested; what it does not,
+"""Threads: what jaxbuf supports from several threads, tested; what it does not,
 documented.
 
 Supported: separate objects driven by separate threads at once. Every thread here owns its

@@ -524,7 +524,7 @@ def test_torch_inputs_fast_and_slow_paths(device):
         pool.copy_to_uva(torch.zeros((2, 2), dtype=torch.complex64))
 
 
-# -- ownership (issue 12): arrays keep their memory; free() means "done" -----------------------
+# -- ownership: arrays keep their memory; free() means "done" ----------------------------------
 def _run_child(code: str, **names) -> None:
     """Run ``code`` (with ``names`` bound as constants) in a fresh interpreter: it must exit
     normally (a negative return code is the signal that killed it) and print "ok"."""
@@ -560,7 +560,7 @@ def fill(array, value):
             torch.cuda.synchronize()
 """
 
-# The issue's reproducer: a tensor from a pool outlives the pool (dropped, closed, its slot
+# A stale pool tensor: a tensor from a pool outlives the pool (dropped, closed, its slot
 # replaced by growth, or the UvaBackedTensor around it dropped or closed); a new UvaBuffer
 # must not reuse that memory (the stale tensor read 1001 instead of 5, and fill_(-7) wrote
 # into the new buffer), and nothing may crash.

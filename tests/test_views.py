@@ -333,7 +333,7 @@ def test_views_alive_at_interpreter_exit():
     assert result.stdout.strip() == "ok"
 
 
-# -- to_jax: zero-copy or BufferError, never a silent copy (issue 12, item 5) -----------------
+# -- to_jax: zero-copy or BufferError, never a silent copy ---------------------------------
 
 
 @pytest.mark.parametrize("offset", [4, 16, 48])

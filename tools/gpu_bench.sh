@@ -2,7 +2,7 @@
 # On the GPU machine: the hot-path suites of the original release (.baseline/, an unpacked
 # `git archive` of it, carried by the device tool) and of this tree, alternately, in one
 # session, so that "before" and "after" columns come from the same machine and run.
-#   tools/gpu_bench.sh SUITE... (default: the hot paths of issue 11)
+#   tools/gpu_bench.sh SUITE... (default: the hot paths: capsule, to_torch, copy_to_uva, staging, apply)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1

@@ -43,7 +43,7 @@ import numpy as np
 
 from jaxbuf.drivers.base import VmmDriver
 
-#: Default cycle counts (the issue's figures).
+#: Default cycle counts (100,000 CPU cycles, 10,000 GPU cycles: the full soak).
 DEFAULT_CYCLES = {"cpu": 100_000, "cuda": 10_000}
 
 #: Allowed end-minus-start growth of each metric. Handles and descriptors must match

@@ -1,4 +1,4 @@
-"""Benchmarks of :class:`jaxbuf.ExtensibleTensor` (issue 2, section 6), baselines in-process.
+"""Benchmarks of :class:`jaxbuf.ExtensibleTensor`, baselines in-process.
 
 Suites:
 

@@ -1,4 +1,4 @@
-"""Benchmark of a JAX decode loop over a paged KV cache (issue 13, item 3), baselines in-run.
+"""Benchmark of a JAX decode loop over a paged KV cache, baselines in-run.
 
 Suite ``jax.decode``: the user's use case. ``num_seqs`` sequences decode one token per step;
 each step (one jitted function, cache and block table donated) appends every sequence's new

@@ -1,4 +1,4 @@
-"""Benchmark of staged row writes applied inside ``jit`` (issue 13, item 4), baselines in-run.
+"""Benchmark of staged row writes applied inside ``jit``, baselines in-run.
 
 Suite ``jax.staged``: writes of 16 int32 elements each into a donated 4096 x 4096 int32 JAX
 array, at 256 and 4,096 writes, from the same Python inputs (lists of rows and starts, a list
@@ -10,7 +10,7 @@ of numpy arrays), against what a plain JAX user writes: the indices built in num
   :class:`jaxbuf.jax_ops.PackRing` (pinned slots the apply reads in place, imported into JAX
   once) + :meth:`~jaxbuf.jax_ops.PackRing.apply` (a cached jitted, donated apply) +
   ``block_until_ready``, against the numpy index build + the jitted scatter +
-  ``block_until_ready``; the issue's targets: at most 1.0x plain JAX's time at 256 writes, at
+  ``block_until_ready``; the targets: at most 1.0x plain JAX's time at 256 writes, at
   most 0.5x at 4,096;
 * end to end with a fresh numpy buffer per pack instead (one host-to-device transfer per
   call): :func:`~jaxbuf.jax_ops.pack_writes` + the jitted apply
@@ -216,7 +216,7 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         def ring_pack() -> tuple[Any]:
             return (pack_writes(rows, starts, values, "int32", shape=_SHAPE, ring=ring),)
 
-        # The fast path and plain JAX, sampled alternately: the issue's target is their ratio.
+        # The fast path and plain JAX, sampled alternately: the target is their ratio.
         times = interleaved_end_to_end(
             {"ring": (ring_step, ring_pack), "plain": (plain_step, indices)}
         )
@@ -236,7 +236,7 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
             "path": "pinned ring",
         },
     )
-    if factor is not None:  # the issue's target, for the library's fast path
+    if factor is not None:  # the target, for the library's fast path
         row.target = f"<= {factor:g}x plain JAX"
         row.met = ring_s <= factor * plain_s
     yield row
@@ -270,7 +270,7 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
             notes="the call and block_until_ready: device time plus one dispatch",
             params={"num_writes": num_writes, "kind": "jax-staged-apply", "method": label},
         )
-    # The issue's target for the apply on the GPU: device time no slower than plain JAX's
+    # The target for the apply on the GPU: device time no slower than plain JAX's
     # scatter, for the default method (the XLA scatter from the packed writes) on what the
     # fast path packs: a GPU ring's packs are unexpanded (indices computed in the apply).
     candidates = {"plain": (lambda a, r, c, v: a.at[r, c].set(v), indices())}

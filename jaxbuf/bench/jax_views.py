@@ -1,4 +1,4 @@
-"""Benchmark of JAX imports of jaxbuf memory (issue 13, item 4), baselines in the same run.
+"""Benchmark of JAX imports of jaxbuf memory, baselines in the same run.
 
 Suite ``jax.views``: host time of one ``BufferView.to_jax()`` (the JAX adapter's DLPack import,
 the array dropped inside the timed batch so its deleter counts), as bytes and reinterpreted as

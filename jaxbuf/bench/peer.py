@@ -1,4 +1,4 @@
-"""Benchmarks of peer access (issue 7, "Benchmark"): a GPU reading a buffer that lives on
+"""Benchmarks of peer access: a GPU reading a buffer that lives on
 another GPU, against the owner reading it locally, in the same run.
 
 Suite ``peer.read``: an :class:`~jaxbuf.ExtensibleTensor` of 256 MiB (32 MiB with

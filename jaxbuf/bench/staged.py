@@ -1,4 +1,4 @@
-"""Benchmarks of :mod:`jaxbuf.staged` (issue 4), baselines measured in the same run.
+"""Benchmarks of :mod:`jaxbuf.staged`, baselines measured in the same run.
 
 Suites:
 

@@ -1,10 +1,10 @@
-"""``staged.patterns`` (issue 14): the staged apply per write pattern, against baselines
+"""``staged.patterns``: the staged apply per write pattern, against baselines
 measured in the same run.
 
 One apply of 256 and 4,096 writes of 16 int32 over 4 tables of 1024 x 4096, per write pattern
 (every write its own row; rows repeat, no two writes overlapping; uniformly random rows; heavy
 overlap), host time and end to end, each against the seed-style apply
-(:class:`jaxbuf.bench.staged._SeedStyleWriter`) and torch ``index_put_``, with the issue's
+(:class:`jaxbuf.bench.staged._SeedStyleWriter`) and torch ``index_put_``, with the
 targets on the GPU: the own-row apply of 256 writes <= 12 µs host and <= 25 µs end to end,
 of 4,096 <= 80 µs end to end; "rows repeat" and "random" <= 1.3x "own row" end to end
 (jaxbuf's host and end-to-end samples are taken round by round over the patterns, so that
@@ -40,8 +40,8 @@ _REPEATS_PER_ROW = 4
 _HEAVY_ROWS = 4
 _HEAVY_STARTS = 2 * _PATTERN_WRITE_LEN
 PATTERNS = ("own row", "rows repeat", "random", "heavy overlap")
-#: Issue 14's targets on the GPU: the own-row apply (host, end to end), and the patterns
-#: whose rows repeat against it (end to end, same run).
+#: Targets on the GPU: the own-row apply (host, end to end), and the patterns whose rows
+#: repeat against it (end to end, same run): resolving overlaps must not cost a pattern more.
 _OWN_ROW_HOST_TARGET_S = {256: 12e-6}
 _OWN_ROW_E2E_TARGET_S = {256: 25e-6, 4096: 80e-6}
 _FLAT_PATTERNS = ("rows repeat", "random")

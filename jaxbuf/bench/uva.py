@@ -1,4 +1,4 @@
-"""Benchmarks of :mod:`jaxbuf.uva` (issue 3, "Benchmark"), every baseline in the same run.
+"""Benchmarks of :mod:`jaxbuf.uva`, every baseline in the same run.
 
 Suites:
 

@@ -1,7 +1,7 @@
 """Pinned host memory the device reads in place (:class:`UvaBuffer`) and its explicit-copy
 fallback (:class:`NonUvaBuffer`).
 
-Ownership (issue 12, :mod:`jaxbuf._owner`): each buffer has one allocation (the pinned block,
+Ownership (:mod:`jaxbuf._owner`): each buffer has one allocation (the pinned block,
 or the fallback's device memory; :mod:`jaxbuf.uva._memory`) and a
 :class:`~jaxbuf._owner.Lifetime` over it. Every export (``np``, ``cpu``, a torch tensor, a JAX
 array, a DLPack capsule) holds the lifetime's anchor, which holds the allocation and nothing
