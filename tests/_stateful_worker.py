@@ -1,0 +1,830 @@
+"""The child process of tests/test_state_machine.py: the public API's objects and a pure-numpy
+model of their bytes and live handles.
+
+The pytest process runs hypothesis and sends each step here; a step that kills this process
+(a signal) fails one example, not the runner, and the next example starts a fresh worker.
+Protocol over stdin/stdout: length-prefixed pickles. A request is ``(op, kwargs)``; the reply
+is ``("ok", detail)``, ``("raised", type_name, message)`` for an exception of a documented type
+(the model is then left as it was, and the invariants must still hold), or
+``("violation", text)`` for a broken invariant or an undocumented exception. ``reset`` ends an
+example: every reference is dropped, ``gc.collect()`` runs, and the example's
+``FaultInjectingDriver`` must hold nothing (handles, reservations, mappings, pinned memory).
+
+Only public API is used (``jaxbuf.*``, ``jaxbuf.jax_ops``, ``jaxbuf.testing``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import struct
+import traceback
+import warnings
+
+import numpy as np
+
+# The only exception types the public API documents (DriverError is a RuntimeError).
+DOCUMENTED = (ValueError, TypeError, IndexError, BufferError, RuntimeError)
+
+DTYPES = ("uint8", "int8", "int16", "int32", "float32", "float16", "bfloat16", "int64")
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class Violation(Exception):
+    """An invariant broke: reported to the runner as a failure of the example."""
+
+
+class Export:
+    """One framework array over (or copied from) a model region."""
+
+    __slots__ = ("owner", "kind", "obj", "segment", "nbytes", "snapshot", "zero_copy", "valid")
+
+    def __init__(self, owner, kind, obj, segment, nbytes, snapshot, zero_copy):
+        self.owner = owner  # the model object (EtModel, PoolModel)
+        self.kind = kind
+        self.obj = obj
+        self.segment = segment
+        self.nbytes = nbytes
+        self.snapshot = snapshot  # bytes at export time (compared for copies)
+        self.zero_copy = zero_copy
+        self.valid = True  # False once release_physical invalidated it: never read again
+
+
+class EtModel:
+    """An ExtensibleTensor and the model of its committed bytes."""
+
+    def __init__(self, obj, capacities):
+        self.obj = obj
+        self.capacities = list(capacities)
+        self.data = [np.zeros(0, np.uint8) for _ in capacities]
+        self.known = [np.zeros(0, bool) for _ in capacities]
+        self.freed = False
+        self.dropped = False
+
+    def grow(self, sizes, zero_new):
+        for i, size in enumerate(sizes):
+            old = self.data[i].size
+            if size <= old:
+                continue
+            data = np.zeros(size, np.uint8)
+            data[:old] = self.data[i]
+            known = np.zeros(size, bool)
+            known[:old] = self.known[i]
+            known[old:] = zero_new
+            self.data[i], self.known[i] = data, known
+
+
+class World:
+    """Every object of one example, its model, and the invariants."""
+
+    def __init__(self, device: str, framework: str) -> None:
+        import jaxbuf
+        from jaxbuf.drivers import get_vmm_driver
+        from jaxbuf.testing import FaultInjectingDriver
+
+        self.jaxbuf = jaxbuf
+        self.device = device
+        self.framework = framework
+        self.driver = FaultInjectingDriver(get_vmm_driver(device))
+        self.ets: dict[int, EtModel] = {}
+        self.exports: list[Export] = []
+        self.pools: dict[int, dict] = {}
+        self.swts: dict[int, dict] = {}
+        self.staged: dict[int, dict] = {}
+        self.ring = None
+        self.granule = jaxbuf.granule_size(device)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _read_view(self, view) -> np.ndarray:
+        """The bytes of a BufferView, read by a fresh export (a copy on CUDA)."""
+        if self.device == "cpu":
+            return view.view("uint8").to_numpy()
+        return np.from_dlpack(view.view("uint8"), device="cpu", copy=True)
+
+    def _write_view(self, view, offset: int, data: np.ndarray) -> None:
+        if self.device == "cpu":
+            view.to_numpy()[offset : offset + data.size] = data
+        else:
+            import torch
+
+            target = view.to_torch()
+            target[offset : offset + data.size].copy_(torch.from_numpy(data))
+            torch.cuda.synchronize()
+
+    def _export_bytes(self, export: Export) -> np.ndarray:
+        obj, kind = export.obj, export.kind
+        if kind in ("numpy", "copy"):
+            array = np.asarray(obj)
+        elif kind == "torch":
+            import torch
+
+            array = obj.contiguous().view(torch.uint8).cpu().numpy() if obj.numel() else None
+            if array is None:
+                return np.zeros(0, np.uint8)
+        elif kind == "jax":
+            import jax.numpy as jnp
+
+            # A fresh device copy reads the memory now (a JAX array caches its host value).
+            array = np.asarray(jnp.array(obj, copy=True))
+        else:
+            raise AssertionError(kind)
+        return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+    def _et(self, slot):
+        model = self.ets.get(slot)
+        if model is None or model.dropped:
+            return None
+        return model
+
+    # -- ExtensibleTensor --------------------------------------------------------------------
+    def et_create(self, slot, capacities, fault=None):
+        if slot in self.ets and not self.ets[slot].dropped:
+            return "slot taken"
+        with self._fault(fault):
+            obj = self.jaxbuf.ExtensibleTensor(
+                sum(capacities),
+                device=self.device,
+                segment_capacities=capacities,
+                driver=self.driver,
+            )
+        self.ets[slot] = EtModel(obj, capacities)
+        return f"capacity {obj.capacity_bytes}"
+
+    def et_grow(self, slot, sizes, zero_new, per_segment, fault=None):
+        model = self._et(slot)
+        if model is None:
+            return "no tensor"
+        caps = model.capacities
+        if per_segment:
+            sizes = [sizes[0]] * len(caps)
+        else:
+            sizes = (list(sizes) + [0] * len(caps))[: len(caps)]
+        current = [d.size for d in model.data]
+        valid = (
+            not model.freed
+            and all(0 <= s <= c for s, c in zip(sizes, caps))
+            and all(s >= c for s, c in zip(sizes, current))
+        )
+        with self._fault(fault):
+            try:
+                if per_segment:
+                    model.obj.resize_per_segment_(sizes[0], zero_new=zero_new)
+                else:
+                    model.obj.resize_segments_(sizes, zero_new=zero_new)
+            except DOCUMENTED as error:
+                if valid and not _is_driver_error(error):
+                    raise Violation(f"valid grow to {sizes} raised {error!r}") from None
+                raise
+        if not valid:
+            raise Violation(f"grow to {sizes} from {current} (caps {caps}) did not raise")
+        model.grow(sizes, zero_new)
+        return f"sizes {sizes}"
+
+    def et_write(self, slot, segment, offset, data):
+        model = self._et(slot)
+        if model is None or model.freed:
+            return "no live tensor"
+        segment %= len(model.capacities)
+        size = model.data[segment].size
+        if size == 0:
+            return "empty segment"
+        data = np.frombuffer(data, np.uint8)[:size]
+        offset %= size
+        data = data[: size - offset]
+        self._write_view(model.obj.segment_view(segment), offset, data)
+        model.data[segment][offset : offset + data.size] = data
+        model.known[segment][offset : offset + data.size] = True
+        return f"{data.size} bytes at {offset}"
+
+    def et_export(self, slot, segment, kind, dtype, shape_kind, copy, dl_device):
+        """A view of ``dtype`` (and a 2-D shape, or a prefix) exported as ``kind``."""
+        model = self._et(slot)
+        if model is None:
+            return "no tensor"
+        segment %= len(model.capacities)
+        if model.freed:
+            view = None
+            expect_freed = True
+        else:
+            expect_freed = False
+        np_dtype = _np_dtype(dtype)
+        size = model.data[segment].size
+        count = size // np_dtype.itemsize
+        if shape_kind == "2d" and count >= 2:
+            shape = (2, count // 2)
+        elif shape_kind == "prefix":
+            shape = (count // 3,)
+        else:
+            shape = (count,)
+        nbytes = int(np.prod(shape)) * np_dtype.itemsize
+        try:
+            view = model.obj.segment_view(segment).view(dtype, shape)
+            if kind == "numpy":
+                if copy:
+                    # A copy of the committed prefix (a full_view copy reads uncommitted
+                    # pages: the invariant "copy=True touches only committed bytes" is
+                    # fixed elsewhere; only segment views are copied here for now).
+                    obj = np.from_dlpack(view, copy=True, device="cpu" if dl_device else None)
+                    kind = "copy"
+                else:
+                    obj = view.to_numpy()
+            elif kind == "torch":
+                obj = view.to_torch()
+            elif kind == "jax":
+                obj = view.to_jax()
+            else:
+                raise AssertionError(kind)
+        except DOCUMENTED as error:
+            if expect_freed and isinstance(error, RuntimeError):
+                raise
+            if kind == "jax" and isinstance(error, BufferError):
+                raise  # JAX refuses 64-bit without x64, or a copy: documented
+            if kind == "numpy" and dtype == "bfloat16" and isinstance(error, BufferError):
+                raise
+            raise Violation(
+                f"export of segment {segment} as {kind}/{dtype} {shape}: {error!r}"
+            ) from None
+        if expect_freed:
+            raise Violation(f"segment_view of a freed tensor exported as {kind}")
+        snapshot = model.data[segment][:nbytes].copy()
+        known = model.known[segment][:nbytes].copy()
+        export = Export(model, kind, obj, segment, nbytes, (snapshot, known), kind != "copy")
+        self._check_export(export)
+        self.exports.append(export)
+        return f"{kind} {dtype} {shape}"
+
+    def et_release_physical(self, slot, fault=None):
+        model = self._et(slot)
+        if model is None:
+            return "no tensor"
+        try:
+            with self._fault(fault):
+                model.obj.release_physical()
+        except DOCUMENTED as error:
+            if model.freed and isinstance(error, RuntimeError):
+                raise
+            if not _is_driver_error(error):
+                raise
+            # The documented outcome of a failed release: the sizes read 0 all the same.
+            self._after_release_physical(model)
+            raise
+        if model.freed:
+            raise Violation("release_physical of a freed tensor did not raise")
+        self._after_release_physical(model)
+        return "released"
+
+    def _after_release_physical(self, model):
+        model.data = [np.zeros(0, np.uint8) for _ in model.capacities]
+        model.known = [np.zeros(0, bool) for _ in model.capacities]
+        for export in self.exports:
+            if export.owner is model and export.zero_copy:
+                export.valid = False
+
+    def et_defragment(self, slot, fault=None):
+        model = self._et(slot)
+        if model is None:
+            return "no tensor"
+        with self._fault(fault):
+            remapped = model.obj.defragment()
+        if model.freed:
+            raise Violation("defragment of a freed tensor did not raise")
+        sizes = [d.size for d in model.data]
+        one = model.obj.segments_backed_by_one_chunk(sizes)
+        for i, (size, single) in enumerate(zip(sizes, one)):
+            if size and not single:
+                raise Violation(f"segment {i} ({size} bytes) is not one chunk after defragment")
+        return f"remapped {remapped}"
+
+    def et_free(self, slot, fault=None):
+        model = self._et(slot)
+        if model is None:
+            return "no tensor"
+        try:
+            with self._fault(fault):
+                model.obj.free()
+        finally:
+            # free() is "I am done" even when a release fails: a second call finishes it.
+            # The model keeps the bytes: exports taken before read them still.
+            model.freed = True
+        return "freed"
+
+    def et_drop(self, slot):
+        model = self._et(slot)
+        if model is None:
+            return "no tensor"
+        model.dropped = True
+        model.obj = None
+        del self.ets[slot]
+        return "dropped"
+
+    # -- exports -----------------------------------------------------------------------------
+    def drop_export(self, index):
+        if not self.exports:
+            return "none"
+        export = self.exports.pop(index % len(self.exports))
+        export.obj = None
+        return f"dropped {export.kind}"
+
+    def collect(self):
+        gc.collect()
+        return "collected"
+
+    def _check_export(self, export: Export) -> None:
+        if not export.valid:
+            return
+        model = export.owner
+        if export.zero_copy:
+            expected = model.data[export.segment][: export.nbytes]
+            known = model.known[export.segment][: export.nbytes]
+            if expected.size < export.nbytes:
+                raise Violation(f"{export.kind} export outlived its committed bytes")
+        else:
+            expected, known = export.snapshot
+        actual = self._export_bytes(export)
+        if actual.size != export.nbytes:
+            raise Violation(f"{export.kind} export has {actual.size} bytes, not {export.nbytes}")
+        if np.array_equal(actual, expected):
+            return
+        bad = np.flatnonzero((actual != expected) & known)
+        if bad.size:
+            raise Violation(
+                f"{export.kind} export of segment {export.segment} differs from the model at "
+                f"{bad.size} byte(s), first at {bad[0]}: {actual[bad[0]]} != {expected[bad[0]]}"
+            )
+
+    # -- UVA pools ----------------------------------------------------------------------------
+    def pool_create(self, slot, rows, cols, dtype, max_concurrency, uva, framework):
+        if slot in self.pools:
+            return "slot taken"
+        jaxbuf = self.jaxbuf
+        buffer_cls = jaxbuf.UvaBuffer if uva else jaxbuf.NonUvaBuffer
+        framework = {"fw": self.framework}.get(framework, framework)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pool = jaxbuf.UvaBufferPool(
+                (rows, cols),
+                dtype,
+                max_concurrency,
+                device=self.device,
+                buffer_cls=buffer_cls,
+                framework=framework,
+                driver=self.driver,
+            )
+        self.pools[slot] = {
+            "obj": pool,
+            "cols": cols,
+            "dtype": np.dtype(dtype),
+            "k": max_concurrency,
+            "results": [],  # (call index, object, expected)
+            "calls": 0,
+            "closed": False,
+            "framework": framework,
+        }
+        return f"pool {framework} {'uva' if uva else 'nonuva'}"
+
+    def pool_copy(self, slot, rows, seed, as_kind, fault=None):
+        state = self.pools.get(slot)
+        if state is None:
+            return "no pool"
+        rng = np.random.default_rng(seed)
+        x = rng.integers(-100, 100, size=(rows, state["cols"])).astype(state["dtype"])
+        source = x if as_kind == "numpy" else x.tolist()
+        with self._fault(fault):
+            result = state["obj"].copy_to_uva(source)
+        if state["closed"]:
+            raise Violation("copy_to_uva on a closed pool did not raise")
+        if state["framework"] == "view":
+            # A view of a slot raises at export once growth or close() replaced the slot;
+            # the array exported now keeps the slot's memory, as every export does.
+            result = result.to_numpy() if self.device == "cpu" else result.to_torch()
+        state["calls"] += 1
+        state["results"].append((state["calls"], result, x))
+        return f"{rows} rows"
+
+    def pool_close(self, slot, fault=None):
+        state = self.pools.get(slot)
+        if state is None:
+            return "no pool"
+        try:
+            with self._fault(fault):
+                state["obj"].close()
+        finally:
+            state["closed"] = True
+        return "closed"
+
+    def pool_drop(self, slot):
+        state = self.pools.pop(slot, None)
+        if state is None:
+            return "no pool"
+        return "dropped"
+
+    def _result_bytes(self, result, framework) -> np.ndarray:
+        if isinstance(result, np.ndarray):
+            return np.array(result)
+        if framework in ("torch", "view"):
+            return result.cpu().numpy()
+        import jax.numpy as jnp
+
+        return np.asarray(jnp.array(result, copy=True))
+
+    def _check_pools(self):
+        for slot, state in self.pools.items():
+            # A slot is written again max_concurrency calls later: the results of the last
+            # max_concurrency calls must read what was copied.
+            for call, result, expected in state["results"]:
+                if call <= state["calls"] - state["k"]:
+                    continue
+                actual = self._result_bytes(result, state["framework"])
+                if actual.shape != expected.shape or not np.array_equal(actual, expected):
+                    raise Violation(
+                        f"pool {slot}: result of call {call} reads {actual.tolist()}, "
+                        f"copied {expected.tolist()}"
+                    )
+
+    # -- StagedWriteTensor ---------------------------------------------------------------------
+    def swt_create(self, slot, rows, cols, dtype, uva, fault=None):
+        if slot in self.swts:
+            return "slot taken"
+        backend = "numpy" if self.device == "cpu" else "triton"
+        with self._fault(fault):
+            obj = self.jaxbuf.StagedWriteTensor(
+                (rows, cols),
+                dtype,
+                device=self.device,
+                uva_instead_of_gpu=uva,
+                backend=backend,
+                driver=self.driver,
+            )
+        self.swts[slot] = {
+            "obj": obj,
+            "target": np.zeros((rows, cols), np.dtype(dtype)),
+            "staged": [],
+            "freed": False,
+        }
+        return f"swt {rows}x{cols} {dtype}"
+
+    def swt_stage(self, slot, row, start, values, elem, as_kind):
+        state = self.swts.get(slot)
+        if state is None:
+            return "no tensor"
+        target = state["target"]
+        rows, cols = target.shape
+        values = np.asarray(values, target.dtype)
+        length = 1 if elem else values.size
+        in_bounds = 0 <= row < rows and (elem and cols >= 1 or 0 <= start <= cols - length)
+        source = values if as_kind == "numpy" else values.tolist()
+        obj = state["obj"]
+        try:
+            if elem:
+                obj.stage_write_elem(row, source[0] if values.size else 0)
+            else:
+                obj.stage_write(row, start, source)
+        except DOCUMENTED as error:
+            if state["freed"] and isinstance(error, RuntimeError):
+                raise
+            if in_bounds and (values.size or elem):
+                raise Violation(f"in-bounds write ({row}, {start}) raised {error!r}") from None
+            _names_argument(error, (str(row), str(start), "row", "start"))
+            raise
+        if state["freed"]:
+            raise Violation("stage on a freed tensor did not raise")
+        if not in_bounds and length:
+            raise Violation(f"out-of-bounds write ({row}, {start}, {length}) was accepted")
+        if elem:
+            state["staged"].append(
+                (row, 0, values[:1] if values.size else np.zeros(1, target.dtype))
+            )
+        elif values.size:
+            state["staged"].append((row, start, values))
+        return f"staged ({row}, {start})"
+
+    def swt_apply(self, slot, fault=None):
+        state = self.swts.get(slot)
+        if state is None:
+            return "no tensor"
+        with self._fault(fault):
+            state["obj"].apply_write()
+        if state["freed"]:
+            raise Violation("apply_write on a freed tensor did not raise")
+        for row, start, values in state["staged"]:
+            state["target"][row, start : start + values.size] = values
+        state["staged"] = []
+        return "applied"
+
+    def swt_clear(self, slot):
+        state = self.swts.get(slot)
+        if state is None or state["freed"]:
+            return "no tensor"
+        state["obj"].clear_staged_writes()
+        state["staged"] = []
+        return "cleared"
+
+    def swt_free(self, slot, fault=None):
+        state = self.swts.get(slot)
+        if state is None:
+            return "no tensor"
+        try:
+            with self._fault(fault):
+                state["obj"].free()
+        finally:
+            state["freed"] = True
+            state["staged"] = []
+        return "freed"
+
+    def swt_drop(self, slot):
+        return "dropped" if self.swts.pop(slot, None) is not None else "no tensor"
+
+    def _check_swts(self):
+        for slot, state in self.swts.items():
+            if state["freed"]:
+                continue
+            obj = state["obj"]
+            if obj.num_staged_writes != len(state["staged"]):
+                raise Violation(
+                    f"swt {slot}: {obj.num_staged_writes} staged writes, model has "
+                    f"{len(state['staged'])}"
+                )
+            if self.device == "cpu":
+                actual = np.array(obj.to_numpy())
+            else:
+                actual = np.from_dlpack(obj.gpu, device="cpu", copy=True)
+            actual = actual.reshape(state["target"].shape)
+            if not np.array_equal(actual, state["target"]):
+                raise Violation(
+                    f"swt {slot}: target {actual.tolist()} != {state['target'].tolist()}"
+                )
+
+    # -- JAX StagedWrites ---------------------------------------------------------------------
+    def sw_create(self, slot, rows, cols, dtype):
+        import jax.numpy as jnp
+
+        from jaxbuf.jax_ops import StagedWrites
+
+        if slot in self.staged:
+            return "slot taken"
+        self.staged[slot] = {
+            "obj": StagedWrites(rows, cols, dtype),
+            "array": jnp.zeros((rows, cols), dtype),
+            "target": np.zeros((rows, cols), np.dtype(dtype)),
+            "staged": [],
+        }
+        return f"staged writes {rows}x{cols} {dtype}"
+
+    def sw_stage(self, slot, writes, batch):
+        state = self.staged.get(slot)
+        if state is None:
+            return "no staged writes"
+        target = state["target"]
+        rows, cols = target.shape
+        writes = [(r, s, np.asarray(v, target.dtype)) for r, s, v in writes]
+        in_bounds = all(0 <= r < rows and s >= 0 and s + v.size <= cols for r, s, v in writes)
+        obj = state["obj"]
+        try:
+            if batch:
+                obj.stage_writes(
+                    [w[0] for w in writes], [w[1] for w in writes], [w[2] for w in writes]
+                )
+            else:
+                for r, s, v in writes:
+                    obj.stage_write(r, s, v)
+        except DOCUMENTED as error:
+            if in_bounds:
+                raise Violation(f"in-bounds writes {writes} raised {error!r}") from None
+            _names_argument(error, ("row", "start", "values", "out of range", "fit"))
+            if not batch:
+                # One write at a time: the ones before the bad one are staged.
+                for r, s, v in writes:
+                    if not (0 <= r < rows and s >= 0 and s + v.size <= cols):
+                        break
+                    if v.size:
+                        state["staged"].append((r, s, v))
+            raise
+        if not in_bounds:
+            raise Violation(f"out-of-bounds writes {writes} were accepted")
+        state["staged"].extend(w for w in writes if w[2].size)
+        return f"{len(writes)} write(s)"
+
+    def sw_apply(self, slot, how, bad_table, fault=None):
+        import jax.numpy as jnp
+
+        from jaxbuf.jax_ops import PackRing, apply_staged_writes
+
+        state = self.staged.get(slot)
+        if state is None:
+            return "no staged writes"
+        array = state["array"]
+        if bad_table:
+            # Tables of another rank or another dtype must be refused before anything is
+            # consumed. Only a packed table goes to a bad table: ring.apply(bad, staged)
+            # packs first (the invariant "a refused apply keeps the staged writes" is
+            # being fixed), and tables smaller than the staged shape are not refused yet.
+            table = jnp.zeros((1,) + array.shape, array.dtype)
+        else:
+            table = array
+        packed = None
+        with self._fault(fault):
+            try:
+                if how == "ring":
+                    if self.ring is None:
+                        self.ring = PackRing(2, device=self.device, driver=self.driver)
+                    packed = state["obj"].pack(ring=self.ring)
+                else:
+                    packed = state["obj"].pack()
+                # pack() consumed the staged writes: they live in `packed` now.
+                applied, state["staged"] = list(state["staged"]), []
+                if how == "ring":
+                    result = self.ring.apply(table, packed)
+                else:
+                    result = apply_staged_writes(table, packed)
+            except DOCUMENTED as error:
+                if packed is not None and not bad_table and not _is_driver_error(error):
+                    raise Violation(
+                        f"apply of a pack onto its own table raised {error!r}"
+                    ) from None
+                if table is array and array.is_deleted():
+                    raise Violation(f"a failed apply ({error!r}) lost the donated array") from None
+                raise
+        if bad_table:
+            raise Violation(f"apply onto a table of shape {table.shape} did not raise")
+        for r, s, v in applied:
+            state["target"][r, s : s + v.size] = v
+        state["array"] = result
+        return f"applied {len(applied)}"
+
+    def _check_staged(self):
+        for slot, state in self.staged.items():
+            if state["obj"].num_staged_writes != len(state["staged"]):
+                raise Violation(
+                    f"staged {slot}: {state['obj'].num_staged_writes} staged, model has "
+                    f"{len(state['staged'])}"
+                )
+            actual = np.asarray(state["array"])
+            if not np.array_equal(actual, state["target"]):
+                raise Violation(f"staged {slot}: {actual.tolist()} != {state['target'].tolist()}")
+
+    def ring_close(self):
+        if self.ring is None:
+            return "no ring"
+        self.ring.close()
+        self.ring = None
+        return "closed"
+
+    # -- faults and invariants ----------------------------------------------------------------
+    def _fault(self, fault):
+        return _Armed(self.driver, fault)
+
+    def check(self) -> None:
+        problems = self.driver.problems()
+        if problems:
+            raise Violation("driver invariants: " + "; ".join(problems))
+        for model in self.ets.values():
+            if model.freed:
+                if model.obj.num_bytes != 0:
+                    raise Violation(f"freed tensor reports {model.obj.num_bytes} bytes")
+                continue
+            for i, data in enumerate(model.data):
+                view = model.obj.segment_view(i)
+                if view.nbytes != data.size:
+                    raise Violation(f"segment {i} has {view.nbytes} bytes, model {data.size}")
+                if data.size:
+                    actual = self._read_view(view)
+                    if np.array_equal(actual, data):
+                        continue
+                    bad = np.flatnonzero((actual != data) & model.known[i])
+                    if bad.size:
+                        raise Violation(
+                            f"segment {i} differs from the model at {bad.size} byte(s), "
+                            f"first at {bad[0]}"
+                        )
+        for export in self.exports:
+            self._check_export(export)
+        self._check_pools()
+        self._check_swts()
+        self._check_staged()
+
+    def teardown(self) -> str:
+        """Drop every reference; the driver must then hold nothing."""
+        self.driver.disarm()
+        self.exports.clear()
+        self.ets.clear()
+        self.pools.clear()
+        self.swts.clear()
+        self.staged.clear()
+        self.ring = None
+        gc.collect()
+        found = []
+        driver = self.driver
+        if driver.live_handles:
+            found.append(f"{len(driver.live_handles)} live handle(s)")
+        if driver.mapped:
+            found.append(f"{len(driver.mapped)} mapped chunk(s)")
+        if driver.reservations:
+            found.append(f"{len(driver.reservations)} reservation(s)")
+        if driver.pinned:
+            found.append(f"{len(driver.pinned)} pinned allocation(s)")
+        found.extend(driver.problems())
+        if found:
+            raise Violation(
+                "after every reference was dropped the driver holds " + ", ".join(found)
+            )
+        return "clean"
+
+
+class _Armed:
+    """Arms ``fault`` (``(kind, nth)`` or None) on the driver for one step, disarms after."""
+
+    def __init__(self, driver, fault):
+        self.driver, self.fault = driver, fault
+
+    def __enter__(self):
+        if self.fault is not None:
+            kind, nth = self.fault
+            self.driver.fail_on(kind, nth)
+
+    def __exit__(self, *exc_info):
+        self.driver.disarm()
+
+
+def _is_driver_error(error: BaseException) -> bool:
+    from jaxbuf.drivers import DriverError
+
+    return isinstance(error, DriverError)
+
+
+def _names_argument(error: BaseException, tokens) -> None:
+    """A bad-input error's message must name the argument or repeat the value."""
+    message = str(error)
+    if _is_driver_error(error) or isinstance(error, RuntimeError):
+        return
+    if not any(token in message for token in tokens):
+        raise Violation(f"{type(error).__name__}({message!r}) names none of {tokens}")
+
+
+# -- the protocol ---------------------------------------------------------------------------
+def _send(out, message) -> None:
+    data = pickle.dumps(message)
+    out.write(struct.pack("<Q", len(data)) + data)
+    out.flush()
+
+
+def _recv(inp):
+    header = inp.read(8)
+    if len(header) < 8:
+        return None
+    (size,) = struct.unpack("<Q", header)
+    return pickle.loads(inp.read(size))
+
+
+def main() -> None:
+    # The protocol owns the original stdout; anything else printed (by C code too) goes to
+    # stderr so it cannot corrupt a frame.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    inp = os.fdopen(0, "rb")
+    world = None
+    while True:
+        request = _recv(inp)
+        if request is None:
+            return
+        op, kwargs = request
+        try:
+            if op == "start":
+                world = World(**kwargs)
+                if kwargs["framework"] == "torch":
+                    import torch  # noqa: F401
+                else:
+                    import jax  # noqa: F401
+                # What the imports made lives as long as the process: freezing it keeps
+                # each gc.collect() of a step to the objects the steps made.
+                gc.collect()
+                gc.freeze()
+                reply = ("ok", "started")
+            elif op == "reset":
+                old, world = world, World(device=world.device, framework=world.framework)
+                reply = ("ok", old.teardown())
+            else:
+                try:
+                    detail = getattr(world, op)(**kwargs)
+                    reply = ("ok", detail)
+                except DOCUMENTED as error:
+                    reply = ("raised", type(error).__name__, str(error))
+                    if not str(error):
+                        reply = ("violation", f"{type(error).__name__} with an empty message")
+                world.check()
+        except Violation as violation:
+            reply = ("violation", str(violation))
+        except BaseException as error:  # noqa: BLE001 - reported to the runner as a failure
+            reply = ("violation", "undocumented " + "".join(traceback.format_exception(error)))
+        _send(out, reply)
+
+
+if __name__ == "__main__":
+    main()
