@@ -83,6 +83,7 @@ typedef struct {
     Py_ssize_t itemsize;
     /* Later-wins bookkeeping (see the comment at the top). */
     Py_ssize_t tracked;   /* records [0, tracked) are indexed */
+    long long tracked_elements; /* the elements those records cover */
     Py_ssize_t *links;    /* per write: the previous write to its row, or -1 */
     Py_ssize_t *fates;    /* per write: FATE_KEEP, FATE_DROP or its first piece */
     Py_ssize_t link_capacity, fate_capacity;
@@ -155,6 +156,7 @@ static inline Py_ssize_t num_records(Stager *s) {
 /* Forget every indexed write: O(1), the slots' stamps go stale. */
 static void reset_tracking(Stager *s) {
     s->tracked = 0;
+    s->tracked_elements = 0;
     s->slot_used = 0;
     s->num_dirty = 0;
     s->num_pieces = 0;
@@ -207,8 +209,15 @@ static int overlaps_earlier(Stager *s, Py_ssize_t w, Py_ssize_t from) {
 }
 
 /* Index records [tracked, n) in order: O(1) amortised per write. -1 with MemoryError (the
- * writes indexed so far stay indexed; a later call resumes). */
+ * writes indexed so far stay indexed; a later call resumes), or with ValueError for a record
+ * out of the stager's bounds: the records bytearray is Python's too, and every later read of
+ * the contents (resolve, write_columns, pack) trusts the indexed records. */
 static int track(Stager *s) {
+    if (PyByteArray_GET_SIZE(s->records) % RECORD_BYTES != 0) {
+        PyErr_Format(PyExc_ValueError, "the staged records hold %zd bytes, not a multiple of %d",
+                     PyByteArray_GET_SIZE(s->records), RECORD_BYTES);
+        return -1;
+    }
     Py_ssize_t n = num_records(s);
     if (s->tracked > n) reset_tracking(s); /* the buffers were cleared behind our back */
     if (s->tracked == n) return 0;
@@ -225,7 +234,18 @@ static int track(Stager *s) {
             s->tracked = w;
             return -1;
         }
-        long long row = record_at(s, w)[1];
+        const long long *record = record_at(s, w);
+        long long row = record[1], start = record[2], length = record[4];
+        if (row < 0 || row >= s->num_rows || start < 0 || length < 0 ||
+            start > s->row_len - length || s->tracked_elements > LLONG_MAX - length) {
+            PyErr_Format(PyExc_ValueError,
+                         "staged record %zd (row %lld, start %lld, length %lld) is out of "
+                         "bounds for %lld rows of %lld elements",
+                         w, row, start, length, s->num_rows, s->row_len);
+            s->tracked = w;
+            return -1;
+        }
+        s->tracked_elements += length;
         RowSlot *slot = find_slot(s, row);
         if (slot->stamp != s->generation) {
             slot->stamp = s->generation;
@@ -329,6 +349,16 @@ static int resolve_row(Stager *s, long long row, Py_ssize_t *emitted) {
  * Cached until more is staged or the stager is reset. */
 static Py_ssize_t resolve(Stager *s) {
     if (track(s) < 0) return -1;
+    /* The contents must hold exactly the values the records cover: every read below and in
+     * write_columns and pack stays inside them. */
+    Py_ssize_t size = PyByteArray_GET_SIZE(s->contents);
+    if (size % s->itemsize != 0 || size / s->itemsize != s->tracked_elements) {
+        PyErr_Format(PyExc_ValueError,
+                     "the staged records cover %lld elements of %zd bytes, but the contents "
+                     "hold %zd bytes",
+                     s->tracked_elements, s->itemsize, size);
+        return -1;
+    }
     Py_ssize_t n = s->tracked;
     if (s->resolved_for == n) return s->resolved;
     Py_ssize_t emitted = n;
@@ -375,11 +405,21 @@ static int plain_values(Stager *self, PyObject *obj, Py_buffer *view) {
 }
 
 /* -- Stager methods -------------------------------------------------------------------------- */
+/* Stager.__new__ without __init__ leaves no buffers: every method that reads them refuses. */
+static int check_ready(Stager *self) {
+    if (self->records == NULL || self->contents == NULL) {
+        PyErr_SetString(PyExc_TypeError, "the Stager is not initialized (call Stager(...))");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *stager_stage(Stager *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "stage(row, start, values) takes 3 arguments");
         return NULL;
     }
+    if (check_ready(self) < 0) return NULL;
     long long row, start;
     if (!exact_index(args[0], &row) || !exact_index(args[1], &start)) Py_RETURN_FALSE;
     Py_buffer view;
@@ -450,6 +490,7 @@ static PyObject *stager_stage_columns(Stager *self, PyObject *const *args, Py_ss
                         "stage_columns(rows, starts, lengths, contents) takes 4 arguments");
         return NULL;
     }
+    if (check_ready(self) < 0) return NULL;
     Py_buffer rows = {0}, starts = {0}, lengths = {0}, contents = {0};
     PyObject *result = NULL;
     if (int64_column(args[0], &rows, "rows") < 0 || int64_column(args[1], &starts, "starts") < 0 ||
@@ -522,6 +563,7 @@ static PyObject *stager_stage_many(Stager *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "stage_many(rows, starts, values_list) takes 3 arguments");
         return NULL;
     }
+    if (check_ready(self) < 0) return NULL;
     for (int a = 0; a < 3; a++) {
         if (!PyList_CheckExact(args[a]) && !PyTuple_CheckExact(args[a])) return PyLong_FromLong(0);
     }
@@ -593,6 +635,7 @@ done:
 
 /* resolve() -> (num_writes, num_elements): what write_columns emits. */
 static PyObject *stager_resolve(Stager *self, PyObject *unused) {
+    if (check_ready(self) < 0) return NULL;
     Py_ssize_t emitted = resolve(self);
     if (emitted < 0) return NULL;
     long long elements = PyByteArray_GET_SIZE(self->contents) / self->itemsize - self->hidden;
@@ -621,6 +664,7 @@ static PyObject *stager_write_columns(Stager *self, PyObject *const *args, Py_ss
                         "write_columns(rows, starts, lengths, offsets, values) takes 5 arguments");
         return NULL;
     }
+    if (check_ready(self) < 0) return NULL;
     Py_ssize_t emitted = resolve(self);
     if (emitted < 0) return NULL;
     Py_buffer out[4] = {{0}}, values = {0};
@@ -765,6 +809,7 @@ static PyObject *pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
         Stager *s = (Stager *)items[g];
+        if (check_ready(s) < 0) goto done;
         Py_ssize_t emitted = resolve(s);
         if (emitted < 0) goto done;
         num_writes += emitted;
@@ -841,6 +886,10 @@ static PyObject *clear(PyObject *module, PyObject *arg) {
             return NULL;
         }
         Stager *s = (Stager *)items[g];
+        if (check_ready(s) < 0) {
+            Py_DECREF(stagers);
+            return NULL;
+        }
         if (PyByteArray_Resize(s->records, 0) < 0 || PyByteArray_Resize(s->contents, 0) < 0) {
             Py_DECREF(stagers);
             return NULL;

@@ -16,9 +16,6 @@ Only public API is used (``jaxbuf.*``, ``jaxbuf.jax_ops``, ``jaxbuf.testing``).
 from __future__ import annotations
 
 import gc
-import os
-import pickle
-import struct
 import traceback
 import warnings
 
@@ -247,8 +244,8 @@ class World:
                 raise
             if kind == "jax" and isinstance(error, BufferError):
                 raise  # JAX refuses 64-bit without x64, or a copy: documented
-            if kind == "numpy" and dtype == "bfloat16" and isinstance(error, BufferError):
-                raise
+            if kind == "numpy" and dtype == "bfloat16" and copy:
+                raise  # numpy's DLPack importer refuses bfloat16 (its RuntimeError)
             raise Violation(
                 f"export of segment {segment} as {kind}/{dtype} {shape}: {error!r}"
             ) from None
@@ -769,62 +766,42 @@ def _names_argument(error: BaseException, tokens) -> None:
 
 
 # -- the protocol ---------------------------------------------------------------------------
-def _send(out, message) -> None:
-    data = pickle.dumps(message)
-    out.write(struct.pack("<Q", len(data)) + data)
-    out.flush()
+_world: World | None = None
 
 
-def _recv(inp):
-    header = inp.read(8)
-    if len(header) < 8:
-        return None
-    (size,) = struct.unpack("<Q", header)
-    return pickle.loads(inp.read(size))
-
-
-def main() -> None:
-    # The protocol owns the original stdout; anything else printed (by C code too) goes to
-    # stderr so it cannot corrupt a frame.
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    inp = os.fdopen(0, "rb")
-    world = None
-    while True:
-        request = _recv(inp)
-        if request is None:
-            return
-        op, kwargs = request
-        try:
-            if op == "start":
-                world = World(**kwargs)
-                if kwargs["framework"] == "torch":
-                    import torch  # noqa: F401
-                else:
-                    import jax  # noqa: F401
-                # What the imports made lives as long as the process: freezing it keeps
-                # each gc.collect() of a step to the objects the steps made.
-                gc.collect()
-                gc.freeze()
-                reply = ("ok", "started")
-            elif op == "reset":
-                old, world = world, World(device=world.device, framework=world.framework)
-                reply = ("ok", old.teardown())
+def handle(op: str, kwargs: dict):
+    """One request of the runner: ``start``, ``reset`` or a step (a World method)."""
+    global _world
+    try:
+        if op == "start":
+            _world = World(**kwargs)
+            if kwargs["framework"] == "torch":
+                import torch  # noqa: F401
             else:
-                try:
-                    detail = getattr(world, op)(**kwargs)
-                    reply = ("ok", detail)
-                except DOCUMENTED as error:
-                    reply = ("raised", type(error).__name__, str(error))
-                    if not str(error):
-                        reply = ("violation", f"{type(error).__name__} with an empty message")
-                world.check()
-        except Violation as violation:
-            reply = ("violation", str(violation))
-        except BaseException as error:  # noqa: BLE001 - reported to the runner as a failure
-            reply = ("violation", "undocumented " + "".join(traceback.format_exception(error)))
-        _send(out, reply)
+                import jax  # noqa: F401
+            # What the imports made lives as long as the process: freezing it keeps each
+            # gc.collect() of a step to the objects the steps made.
+            gc.collect()
+            gc.freeze()
+            return ("ok", "started")
+        if op == "reset":
+            old, _world = _world, World(device=_world.device, framework=_world.framework)
+            return ("ok", old.teardown())
+        try:
+            reply = ("ok", getattr(_world, op)(**kwargs))
+        except DOCUMENTED as error:
+            reply = ("raised", type(error).__name__, str(error))
+            if not str(error):
+                reply = ("violation", f"{type(error).__name__} with an empty message")
+        _world.check()
+        return reply
+    except Violation as violation:
+        return ("violation", str(violation))
+    except BaseException as error:  # noqa: BLE001 - reported to the runner as a failure
+        return ("violation", "undocumented " + "".join(traceback.format_exception(error)))
 
 
 if __name__ == "__main__":
-    main()
+    from _child import serve
+
+    serve(handle)

@@ -23,17 +23,11 @@ machine).
 from __future__ import annotations
 
 import os
-import pickle
 import random
-import select
-import signal
-import struct
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from _child import Worker
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -85,77 +79,6 @@ STAGE_DTYPES = ("int32", "float32", "float16")
 STAGE_SHAPES = ((4, 8), (3, 5), (1, 1))
 
 
-class WorkerDied(AssertionError):
-    """The child process died (a signal): the step that killed it fails the example."""
-
-
-class Worker:
-    """A persistent child process that runs the steps (see tests/_stateful_worker.py)."""
-
-    def __init__(self, device: str, framework: str) -> None:
-        self.device, self.framework = device, framework
-        self.process: subprocess.Popen | None = None
-
-    def ensure(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            return
-        env = dict(os.environ, PYTHONFAULTHANDLER="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        self.process = subprocess.Popen(
-            [sys.executable, str(WORKER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        reply = self.call("start", device=self.device, framework=self.framework)
-        if reply[0] != "ok":
-            raise AssertionError(f"the worker did not start: {reply}")
-
-    def call(self, op: str, **kwargs):
-        process = self.process
-        data = pickle.dumps((op, kwargs))
-        try:
-            process.stdin.write(struct.pack("<Q", len(data)) + data)
-            process.stdin.flush()
-            header = self._read(8, op, kwargs)
-            (size,) = struct.unpack("<Q", header)
-            return pickle.loads(self._read(size, op, kwargs))
-        except (BrokenPipeError, EOFError):
-            self._died(op, kwargs)
-
-    def _read(self, size: int, op: str, kwargs: dict) -> bytes:
-        stream = self.process.stdout
-        chunks, remaining = [], size
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        while remaining:
-            if not select.select([stream], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                self.process.kill()
-                self.process.wait()
-                raise AssertionError(f"step {op}({kwargs}) hung for {STEP_TIMEOUT_S} s")
-            chunk = os.read(stream.fileno(), remaining)
-            if not chunk:
-                raise EOFError
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
-
-    def _died(self, op: str, kwargs: dict):
-        code = self.process.wait()
-        try:
-            name = signal.Signals(-code).name if code < 0 else f"exit status {code}"
-        except ValueError:
-            name = f"status {code}"
-        raise WorkerDied(f"the worker died ({name}) during {op}({kwargs})")
-
-    def close(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
 def make_machine(worker: Worker, framework: str):
     """The state machine class for one worker (a device) and one framework."""
 
@@ -186,7 +109,7 @@ def make_machine(worker: Worker, framework: str):
             return reply
 
         def teardown(self) -> None:
-            if worker.process is None or worker.process.poll() is not None:
+            if not worker.alive:
                 return  # died: the failing step already said so; the next example respawns
             reply = worker.call("reset")
             if reply[0] != "ok":
@@ -421,7 +344,9 @@ def test_public_api_against_the_model(device, framework, run_seed, workers):
         print(f"random seed: {RANDOM_SEED} (JAXBUF_STATEFUL_SEED={RANDOM_SEED} replays it)")
     worker = workers.get((device, framework))
     if worker is None:
-        worker = workers[(device, framework)] = Worker(device, framework)
+        worker = workers[(device, framework)] = Worker(
+            WORKER, STEP_TIMEOUT_S, device=device, framework=framework
+        )
     machine = seed(run_seed)(make_machine(worker, framework))
     run_state_machine_as_test(
         machine,
