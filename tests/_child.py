@@ -29,8 +29,11 @@ class Worker:
     """A child process running ``script`` (a :func:`serve` loop), started with ``start``'s
     keyword arguments as its first request."""
 
-    def __init__(self, script: Path, timeout_s: float, **start: object) -> None:
+    def __init__(
+        self, script: Path, timeout_s: float, *, pass_fds: tuple[int, ...] = (), **start: object
+    ) -> None:
         self.script, self.timeout_s, self.start = script, timeout_s, start
+        self.pass_fds = pass_fds
         self.process: subprocess.Popen | None = None
 
     @property
@@ -46,6 +49,7 @@ class Worker:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
+            pass_fds=self.pass_fds,
         )
         reply = self.call("start", **self.start)
         if reply[0] != "ok":

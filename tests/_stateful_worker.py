@@ -16,8 +16,11 @@ Only public API is used (``jaxbuf.*``, ``jaxbuf.jax_ops``, ``jaxbuf.testing``).
 from __future__ import annotations
 
 import gc
+import os
+import socket
 import traceback
 import warnings
+from pathlib import Path
 
 import numpy as np
 
@@ -98,6 +101,8 @@ class World:
         self.staged: dict[int, dict] = {}
         self.ring = None
         self.granule = jaxbuf.granule_size(device)
+        self.share: dict = {}  # the shared tensor's model, last layout, importer's sizes
+        self.memfds = _memfds()
 
     # -- helpers ---------------------------------------------------------------------------
     def _read_view(self, view) -> np.ndarray:
@@ -279,6 +284,9 @@ class World:
         return "released"
 
     def _after_release_physical(self, model):
+        if self.share.get("model") is model:
+            # The importer keeps the old pages, no longer the owner's, until the next send.
+            self.share["valid"] = False
         model.data = [np.zeros(0, np.uint8) for _ in model.capacities]
         model.known = [np.zeros(0, bool) for _ in model.capacities]
         for export in self.exports:
@@ -291,6 +299,8 @@ class World:
             return "no tensor"
         with self._fault(fault):
             remapped = model.obj.defragment()
+        if remapped and self.share.get("model") is model:
+            self.share["valid"] = False  # as after release_physical
         if model.freed:
             raise Violation("defragment of a freed tensor did not raise")
         sizes = [d.size for d in model.data]
@@ -674,6 +684,94 @@ class World:
         self.ring = None
         return "closed"
 
+    # -- sharing with a second process ------------------------------------------------------
+    def share_send(self, slot, since):
+        """send_buffer to the importer process, which recv_buffer()s (a new import) or
+        refresh()es (the same tensor again)."""
+        from jaxbuf.sharing import send_buffer
+
+        model = self._et(slot)
+        if model is None:
+            return "no tensor"
+        share = self.share
+        same = share.get("model") is model and share.get("sizes") is not None
+        previous = share.get("layout") if since and same else None
+        layout = send_buffer(_importer_socket(), model.obj, since=previous, timeout=30)
+        if model.freed:
+            raise Violation("send_buffer of a freed tensor did not raise")
+        reply = _importer().call("refresh" if same else "recv")
+        if reply[0] != "ok":
+            raise Violation(f"the importer refused a valid layout: {reply}")
+        share.update(model=model, layout=layout, sizes=reply[1], valid=True)
+        return f"importer sizes {reply[1]}"
+
+    def share_hostile(self, mutation):
+        """A malformed layout, well framed: the importer refuses it by name, unchanged."""
+        from jaxbuf.sharing import export_layout, send_layout
+
+        model = self.share.get("model")
+        if model is None or model.freed or model.dropped:
+            return "nothing shared"
+        layout, fds = export_layout(model.obj)
+        try:
+            layout = _hostile(layout, mutation, len(fds))
+            if mutation == "extra_fd" and fds:
+                fds.append(os.dup(fds[0]))
+            send_layout(_importer_socket(), layout, fds, timeout=30)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        same = self.share.get("sizes") is not None
+        reply = _importer().call("refresh" if same else "recv", expect_error=True)
+        if reply[0] == "violation":
+            raise Violation(f"hostile layout ({mutation}): {reply[1]}")
+        if not same:
+            self.share["sizes"] = None  # a failed recv leaves no import
+        return f"refused: {reply[2][:80]}"
+
+    def share_read(self):
+        share = self.share
+        if not share.get("valid") or share.get("sizes") is None:
+            return "nothing to compare"
+        reply = _importer().call("read")
+        if reply[0] != "ok":
+            raise Violation(f"the importer could not read: {reply}")
+        model = share["model"]
+        for i, data in enumerate(reply[1]):
+            actual = np.frombuffer(data, np.uint8)
+            expected, known = model.data[i][: actual.size], model.known[i][: actual.size]
+            if expected.size < actual.size:
+                raise Violation(f"the import's segment {i} outgrew the owner's")
+            bad = np.flatnonzero((actual != expected) & known)
+            if bad.size:
+                raise Violation(f"the import's segment {i} differs from the owner at {bad[0]}")
+        return "same bytes"
+
+    def share_write(self, segment, offset, data):
+        share = self.share
+        sizes = share.get("sizes")
+        if not share.get("valid") or not sizes:
+            return "nothing shared"
+        segment %= len(sizes)
+        if not sizes[segment]:
+            return "empty segment"
+        offset %= sizes[segment]
+        data = data[: sizes[segment] - offset]
+        reply = _importer().call("write", segment=segment, offset=offset, data=data)
+        if reply[0] != "ok":
+            raise Violation(f"the importer could not write: {reply}")
+        model = share["model"]
+        model.data[segment][offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+        model.known[segment][offset : offset + len(data)] = True
+        return f"{len(data)} bytes at {offset}"
+
+    def share_close(self):
+        if self.share.get("sizes") is None:
+            return "nothing imported"
+        _importer().call("close")
+        self.share["sizes"] = None
+        return "closed"
+
     # -- faults and invariants ----------------------------------------------------------------
     def _fault(self, fault):
         return _Armed(self.driver, fault)
@@ -716,8 +814,16 @@ class World:
         self.swts.clear()
         self.staged.clear()
         self.ring = None
+        self.share = {}
         gc.collect()
         found = []
+        if _IMPORTER is not None and _IMPORTER.alive:
+            reply = _IMPORTER.call("reset")
+            if reply[0] != "ok":
+                found.append(reply[1])
+        leaked = _memfds() - self.memfds
+        if leaked:
+            found.append(f"{len(leaked)} more chunk descriptor(s) open than at the start")
         driver = self.driver
         if driver.live_handles:
             found.append(f"{len(driver.live_handles)} live handle(s)")
@@ -733,6 +839,79 @@ class World:
                 "after every reference was dropped the driver holds " + ", ".join(found)
             )
         return "clean"
+
+
+_IMPORTER = None
+_SOCKET = None
+
+
+def _importer():
+    """The importer process (tests/_share_importer.py), at the other end of a socket pair;
+    started on first use, again after it died (then the socket pair is new too)."""
+    global _IMPORTER, _SOCKET
+    from _child import Worker
+
+    if _IMPORTER is None or not _IMPORTER.alive:
+        if _SOCKET is not None:
+            _SOCKET.close()
+        ours, theirs = socket.socketpair()
+        _IMPORTER = Worker(
+            Path(__file__).with_name("_share_importer.py"),
+            120.0,
+            pass_fds=(theirs.fileno(),),
+            fd=theirs.fileno(),
+            device="cpu",
+        )
+        try:
+            _IMPORTER.ensure()
+        finally:
+            theirs.close()
+        _SOCKET = ours
+    return _IMPORTER
+
+
+def _importer_socket():
+    _importer()
+    return _SOCKET
+
+
+def _memfds() -> set[str]:
+    """The chunk descriptors (memfds) this process holds."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed while listing (the listing's own descriptor)
+        if target.startswith("/memfd:"):
+            found.add(f"{name}:{target}")
+    return found
+
+
+def _hostile(layout: dict, mutation: str, num_fds: int) -> dict:
+    """``layout`` broken as ``mutation`` says (a mutation that needs a chunk, on a layout
+    without one, breaks the version instead)."""
+    layout = dict(layout)
+    chunks = [list(c) for c in layout.get("chunks", [])]
+    if mutation == "misaligned" and chunks:
+        chunks[0][0] += 1
+        layout["chunks"] = layout["all_chunks"] = chunks
+    elif mutation == "overlap" and chunks:
+        layout["chunks"] = layout["all_chunks"] = chunks + [list(chunks[0])]
+    elif mutation == "outside" and chunks:
+        chunks[0][0] = layout["reserved_size"]
+        layout["chunks"] = layout["all_chunks"] = chunks
+    elif mutation == "huge":
+        layout["reserved_size"] = 2**62
+    elif mutation == "missing":
+        layout.pop("committed_sizes", None)
+    elif mutation == "wrong_type":
+        layout["committed_sizes"] = "all of it"
+    elif mutation == "committed_unbacked":
+        layout["committed_sizes"] = [c + layout["granularity"] for c in layout["committed_sizes"]]
+    elif mutation != "extra_fd" or not num_fds:
+        layout["version"] = "not a version"
+    return layout
 
 
 class _Armed:

@@ -75,6 +75,9 @@ sizes = st.sampled_from([0, 1, 255, 4096, 100_000, 2 * MIB, 2 * MIB + 1, 3 * MIB
 )
 DTYPES = ("uint8", "int8", "int16", "int32", "float32", "float16", "bfloat16", "int64")
 STAGE_DTYPES = ("int32", "float32", "float16")
+# Malformed layouts a peer may send (tests/_stateful_worker.py builds them).
+HOSTILE = ("misaligned", "overlap", "outside", "huge", "missing", "wrong_type")
+HOSTILE += ("committed_unbacked", "extra_fd")
 # JAX compiles one apply per shape and dtype: a few shapes keep the run bounded.
 STAGE_SHAPES = ((4, 8), (3, 5), (1, 1))
 
@@ -194,6 +197,31 @@ def make_machine(worker: Worker, framework: str):
         @rule()
         def collect(self):
             self.step("collect")
+
+        # -- sharing with a second process ---------------------------------------------------
+        @rule(slot=tensors, since=st.booleans())
+        def share_send(self, slot, since):
+            self.step("share_send", slot=slot, since=since)
+
+        @rule(mutation=st.sampled_from(HOSTILE))
+        def share_hostile(self, mutation):
+            self.step("share_hostile", mutation=mutation)
+
+        @rule()
+        def share_read(self):
+            self.step("share_read")
+
+        @rule(
+            segment=st.integers(0, 2),
+            offset=st.integers(0, 6 * MIB),
+            data=st.binary(min_size=1, max_size=64),
+        )
+        def share_write(self, segment, offset, data):
+            self.step("share_write", segment=segment, offset=offset, data=data)
+
+        @rule()
+        def share_close(self):
+            self.step("share_close")
 
         # -- UVA pools -----------------------------------------------------------------------
         @rule(
