@@ -10,23 +10,39 @@ from typing import Any
 MiB = 1 << 20
 
 
-def serve(connection: Any, name: str, capacity: int, num_segments: int, block_bytes: int) -> None:
+def serve(
+    connection: Any,
+    name: str,
+    capacity: int,
+    num_segments: int,
+    block_bytes: int,
+    device: str = "cpu",
+) -> None:
     """Answer ``(command, *args)`` tuples with ``("ok", result)`` or ``("error", repr)``."""
     import numpy as np
 
     import jaxbuf
     from jaxbuf.transfer import Agent, KVEndpoint, KVLayout
 
-    tensor = jaxbuf.ExtensibleTensor(capacity, "cpu", num_segments=num_segments)
+    tensor = jaxbuf.ExtensibleTensor(capacity, device, num_segments=num_segments)
     agent = Agent(name)
     endpoint = KVEndpoint(agent, tensor, KVLayout(block_bytes))
 
     def fill(segment: int, seed: int) -> None:
-        view = tensor.segment_view(segment).to_numpy()
-        view[:] = (np.arange(view.size, dtype=np.int64) * 7 + seed) % 251
+        view = tensor.segment_view(segment)
+        values = ((np.arange(view.nbytes, dtype=np.int64) * 7 + seed) % 251).astype(np.uint8)
+        if device == "cpu":
+            view.to_numpy()[:] = values
+        else:  # VRAM: through torch (the GPU tests have it)
+            import torch
+
+            view.to_torch().copy_(torch.from_numpy(values))
 
     def read(segment: int, start: int, nbytes: int) -> bytes:
-        return tensor.segment_view(segment).to_numpy()[start : start + nbytes].tobytes()
+        view = tensor.segment_view(segment)
+        if device == "cpu":
+            return view.to_numpy()[start : start + nbytes].tobytes()
+        return view.to_torch()[start : start + nbytes].cpu().numpy().tobytes()
 
     commands = {
         "grow": lambda size: tensor.resize_per_segment_(size),
@@ -64,11 +80,15 @@ def serve(connection: Any, name: str, capacity: int, num_segments: int, block_by
 class PeerProcess:
     """A :func:`serve` process and a call interface: ``peer("grow", 4 << 20)``."""
 
-    def __init__(self, name: str, capacity: int, num_segments: int, block_bytes: int) -> None:
+    def __init__(
+        self, name: str, capacity: int, num_segments: int, block_bytes: int, device: str = "cpu"
+    ) -> None:
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
         self.process = context.Process(
-            target=serve, args=(child, name, capacity, num_segments, block_bytes), daemon=True
+            target=serve,
+            args=(child, name, capacity, num_segments, block_bytes, device),
+            daemon=True,
         )
         self.process.start()
         child.close()

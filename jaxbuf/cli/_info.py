@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
             granule_rows.append([device, f"{commit_kib:,} KiB", f"{driver_kib:,} KiB"])
     out.table("drivers", ["driver", "status", "details"], driver_rows)
     out.table("granules", ["device", "commit granule", "driver granularity"], granule_rows)
+    if reasons["cuda"] is None:
+        out.table("CUDA allocations", ["device", "chunks get", "why not more"], _allocations())
+    out.table("transfer engines", ["engine", "status"], [["NIXL", _nixl_status()]])
     out.table("versions", ["package", "version"], [[k, v] for k, v in versions().items()])
     try:
         default = resolve_device(None)
@@ -57,3 +60,39 @@ def run(args: argparse.Namespace) -> int:
         default = f"none ({error})"
     out.line(f"default device: {default}")
     return 0
+
+
+def _allocations() -> list[list[str]]:
+    """Per CUDA device: the best handle type (the chain from fabric, probed with one
+    granule) and GPUDirect RDMA, and why not more (what NIXL over InfiniBand and
+    multi-node NVLink need)."""
+    from jaxbuf.drivers import get_vmm_driver
+    from jaxbuf.drivers.cuda import CudaVmmDriver
+
+    rows = []
+    for index in range(get_vmm_driver("cuda").device_count()):
+        try:
+            options = CudaVmmDriver(shareable="fabric").allocation_options(index, probe=True)
+        except Exception as error:  # noqa: BLE001 - reported in the table
+            rows.append([f"cuda:{index}", "unknown", one_line(str(error))])
+            continue
+        rdma = "GPUDirect RDMA" if options["rdma"] else "no RDMA flag"
+        rows.append(
+            [
+                f"cuda:{index}",
+                f"{options['handle_type']} handles, {rdma}",
+                "; ".join(options["notes"]) or "-",
+            ]
+        )
+    return rows
+
+
+def _nixl_status() -> str:
+    """Which NIXL module jaxbuf.transfer would use, or why none (without making an agent)."""
+    from jaxbuf.transfer import NixlUnavailable, load_nixl
+
+    try:
+        module = load_nixl()
+    except NixlUnavailable as error:
+        return one_line(str(error))
+    return f"{module.__name__} (jaxbuf.transfer works)"
