@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxbuf._checks import as_int
 
-__all__ = ["BlockTable", "KVLayout", "block_ids", "describe", "split_pairs"]
+__all__ = ["BlockTable", "KVLayout", "block_ids", "bounds", "describe", "split_pairs"]
 
 
 @dataclass(frozen=True)
@@ -88,15 +88,17 @@ class BlockTable:
             rows.append(segment_rows)
         self.rows = np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.uint64)
 
-    def check_blocks(self, blocks: np.ndarray, side: str) -> None:
-        """IndexError naming the first block id outside what every segment committed."""
-        limit = min(self.num_blocks)
-        if len(blocks) and (blocks.min() < 0 or blocks.max() >= limit):
+    def check_blocks(self, blocks: np.ndarray, side: str, segments: list[int]) -> None:
+        """IndexError naming the first block id outside what each of ``segments`` (layout
+        positions) committed."""
+        limit = min(self.num_blocks[s] for s in segments)
+        low, high = bounds(blocks)
+        if low < 0 or high >= limit:
             bad = int(blocks[(blocks < 0) | (blocks >= limit)][0])
             raise IndexError(
                 f"{side} block {bad} is out of range: {limit} block(s) of {self.block_bytes} "
-                f"bytes are committed in every segment there (committed blocks per segment: "
-                f"{self.num_blocks})"
+                f"bytes are committed in each segment transferred there (committed blocks per "
+                f"segment: {self.num_blocks})"
             )
 
     def cuts(self, segment: int, block: int, side: str) -> list[int]:
@@ -117,6 +119,15 @@ class BlockTable:
             cuts.append(cursor - start)
             i += 1
         return cuts
+
+
+def bounds(values: np.ndarray) -> tuple[int, int]:
+    """``(min, max)`` of a non-empty 1-D array: in Python for the short lists a transfer
+    usually has (two numpy reductions cost more than the list), in numpy beyond."""
+    if len(values) <= 64:
+        listed = values.tolist()
+        return min(listed), max(listed)
+    return int(values.min()), int(values.max())
 
 
 def block_ids(blocks: Any, name: str) -> np.ndarray:

@@ -26,7 +26,14 @@ import numpy as np
 
 from jaxbuf._checks import as_int
 from jaxbuf.dtypes import uint8
-from jaxbuf.transfer._blocks import BlockTable, KVLayout, block_ids, describe, split_pairs
+from jaxbuf.transfer._blocks import (
+    BlockTable,
+    KVLayout,
+    block_ids,
+    bounds,
+    describe,
+    split_pairs,
+)
 from jaxbuf.transfer._nixl import LOCAL_AGENT, Agent
 from jaxbuf.transfer._registration import DEFAULT_RELEASE_TIMEOUT, Registration
 from jaxbuf.transfer._wire import RemoteLayout, decode, encode
@@ -48,12 +55,33 @@ class Transfer:
     :class:`TransferError` if NIXL reports a failure, ``TimeoutError`` after ``timeout``);
     the NIXL handle is released once it has finished."""
 
-    def __init__(self, agent: Agent, handle: Any, what: str, registration: Registration) -> None:
-        self._agent, self._handle, self.what = agent, handle, what
+    def __init__(
+        self,
+        agent: Agent,
+        handle: Any,
+        request: tuple[str, np.ndarray, str, np.ndarray],
+        registration: Registration,
+        state: str,
+    ) -> None:
+        self._agent, self._handle = agent, handle
+        # (operation, local blocks, peer name, remote blocks): described only when needed.
+        self._request = request
         self._registration = registration
         self.error: str | None = None
         self.finished = False
-        registration.track(self)
+        if state == "PROC":
+            registration.track(self)
+        else:  # done (or failed) in the post itself, as small transfers often are
+            self.finished = True
+            self.error = None if state == "DONE" else f"NIXL reported {state}"
+            self._handle = None
+            agent.release_transfer(handle)
+
+    @property
+    def what(self) -> str:
+        """The request in words: ``WRITE of blocks [0, 1] <-> peer:blocks [4, 5]``."""
+        operation, local, peer, remote = self._request
+        return f"{operation} of {describe(local)} <-> {peer}:{describe(remote)}"
 
     def __repr__(self) -> str:
         return f"Transfer({self.what})"
@@ -153,6 +181,7 @@ class KVEndpoint:
         self._table_key: tuple | None = None
         self._dlist: Any = None
         self._pending_notifications: dict[str, list[bytes]] = {}
+        self._all_segments = list(range(len(self.segments)))
         self.closed = False
 
     def __repr__(self) -> str:
@@ -318,16 +347,15 @@ class KVEndpoint:
         chosen = self._chosen_segments(segments)
         if not isinstance(notification, bytes):
             raise TypeError(f"notification must be bytes, got {type(notification).__name__}")
-        what = f"{operation} of {describe(local)} <-> {peer.name}:{describe(remote)}"
         local_table, local_dlist = self._local()
         remote_table, remote_dlist = self._remote(peer)
-        local_table.check_blocks(local, "local")
-        remote_table.check_blocks(remote, f"{peer.name}'s")
+        local_table.check_blocks(local, "local", chosen)
+        remote_table.check_blocks(remote, f"{peer.name}'s", chosen)
         local_rows = [local_table.whole[s][local] for s in chosen]
         remote_rows = [remote_table.whole[s][remote] for s in chosen]
         local_index = np.concatenate(local_rows) if len(chosen) > 1 else local_rows[0]
         remote_index = np.concatenate(remote_rows) if len(chosen) > 1 else remote_rows[0]
-        if (local_index >= 0).all() and (remote_index >= 0).all():
+        if bounds(local_index)[0] >= 0 and bounds(remote_index)[0] >= 0:
             handle = self.agent.make_prepped(
                 operation, local_dlist, local_index, remote_dlist, remote_index, notification
             )
@@ -345,9 +373,10 @@ class KVEndpoint:
         except BaseException:
             self.agent.release_transfer(handle)
             raise
-        transfer = Transfer(self.agent, handle, what, self.registration)
-        if state == "ERR":
-            transfer.settle(0.0)
+        transfer = Transfer(
+            self.agent, handle, (operation, local, peer.name, remote), self.registration, state
+        )
+        if transfer.error is not None:
             transfer.wait(0.0)  # raises TransferError naming the blocks
         return transfer
 
@@ -361,7 +390,7 @@ class KVEndpoint:
     def _chosen_segments(self, segments: Sequence[int] | None) -> list[int]:
         """Positions in this layout's segments (which are buffer segment indices)."""
         if segments is None:
-            return list(range(len(self.segments)))
+            return self._all_segments
         chosen = []
         for segment in segments:
             index = as_int(segment, "segment")
