@@ -12,6 +12,8 @@ tests wraps to fail any NIXL call.
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,8 +47,20 @@ def load_nixl() -> Any:
         except ImportError as error:
             failures.append(f"{name}: {error}")
             continue
+        _quiet_info_logs(name)
         return _api
     raise NixlUnavailable(f"NIXL is not importable ({'; '.join(failures)}); {_INSTALL}")
+
+
+def _quiet_info_logs(module_name: str) -> None:
+    """NIXL's Python logger writes an INFO line to *stdout* for every agent and backend,
+    which corrupts what a program prints (a notebook's output, a JSON reply). Unless the
+    user chose a level (``NIXL_LOG_LEVEL``), keep its warnings and errors only."""
+    if os.environ.get("NIXL_LOG_LEVEL"):
+        return
+    logger = logging.getLogger("nixl")
+    if logger.level in (logging.NOTSET, logging.INFO, logging.DEBUG):
+        logger.setLevel(logging.WARNING)
 
 
 def memory_type_of(dlpack_device_type: int) -> str:
