@@ -204,7 +204,7 @@ def _bandwidth_rows(
 
 @suite("transfer.grow")
 def grow_registration(device: Any, quick: bool) -> Iterator[Row | Sizes]:
-    """A +2 MiB grow whose registration follows it, against the grow plus NIXL registering
+    """A one-chunk grow whose registration follows it, against the grow plus NIXL registering
     the new chunk by hand, and against the grow plus re-registering everything."""
     transfer = _nixl()
     chunk = granule_size(device)
