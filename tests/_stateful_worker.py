@@ -184,6 +184,8 @@ class World:
             except DOCUMENTED as error:
                 if valid and not _is_driver_error(error):
                     raise Violation(f"valid grow to {sizes} raised {error!r}") from None
+                if not valid:
+                    _names_argument(error, [str(size) for size in sizes])
                 raise
         if not valid:
             raise Violation(f"grow to {sizes} from {current} (caps {caps}) did not raise")
@@ -230,11 +232,12 @@ class World:
         try:
             view = model.obj.segment_view(segment).view(dtype, shape)
             if kind == "numpy":
-                if copy:
+                if copy or self.device != "cpu":  # numpy reads device memory as a copy
                     # A copy of the committed prefix (a full_view copy reads uncommitted
                     # pages: the invariant "copy=True touches only committed bytes" is
                     # fixed elsewhere; only segment views are copied here for now).
-                    obj = np.from_dlpack(view, copy=True, device="cpu" if dl_device else None)
+                    on_host = dl_device or self.device != "cpu"
+                    obj = np.from_dlpack(view, copy=True, device="cpu" if on_host else None)
                     kind = "copy"
                 else:
                     obj = view.to_numpy()
@@ -687,9 +690,11 @@ class World:
     # -- sharing with a second process ------------------------------------------------------
     def share_send(self, slot, since):
         """send_buffer to the importer process, which recv_buffer()s (a new import) or
-        refresh()es (the same tensor again)."""
+        refresh()es (the same tensor again). CPU only: the importer reads through numpy."""
         from jaxbuf.sharing import send_buffer
 
+        if self.device != "cpu":
+            return "cpu only"
         model = self._et(slot)
         if model is None:
             return "no tensor"

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 pytest.importorskip("jaxbuf._staging", reason="the C stager is not built")
 
 WORKER = Path(__file__).with_name("_c_fuzz_worker.py")
-EXAMPLES = int(os.environ.get("JAXBUF_C_FUZZ_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("JAXBUF_C_FUZZ_EXAMPLES", "150"))
 RECORD_BYTES = 40
 
 huge_ints = st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, 2**63 - 1, -(2**63), 2**64, 2**100])

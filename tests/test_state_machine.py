@@ -43,7 +43,7 @@ from hypothesis.stateful import (
 from jaxbuf.testing import FAULT_KINDS
 
 WORKER = Path(__file__).with_name("_stateful_worker.py")
-EXAMPLES = int(os.environ.get("JAXBUF_STATEFUL_EXAMPLES", "10"))
+EXAMPLES = int(os.environ.get("JAXBUF_STATEFUL_EXAMPLES", "8"))
 STEPS = int(os.environ.get("JAXBUF_STATEFUL_STEPS", "30"))
 FIXED_SEED = 20261201
 RANDOM_SEED = int(os.environ.get("JAXBUF_STATEFUL_SEED") or random.SystemRandom().randrange(2**32))
@@ -54,6 +54,13 @@ STEP_TIMEOUT_S = float(os.environ.get("JAXBUF_STATEFUL_STEP_TIMEOUT", "120"))
 STEP_LOG = os.environ.get("JAXBUF_STATEFUL_LOG")
 
 MIB = 1 << 20
+# Not exercised yet, each an invariant being fixed elsewhere (lift by adding the rule):
+# * a freed reservation's address space counts against the limit only while it is needed
+#   (buffers here are a few MiB, so the CPU driver's quarantine never fills);
+# * a NonUvaBuffer's uva() copies only what its (rebindable) ``np`` holds: no rule rebinds it;
+# * free() racing an export on another thread ends in an error, not a signal: steps run on
+#   one thread;
+# * full_view() exports touch only committed bytes: no rule exports a full view.
 # Faults at any call a step may make. Armed for the step that draws them only: a release
 # deferred to a deleter or finalizer (dropping the last export) runs unfaulted, because the
 # invariant "a deferred release that fails is retried and reported, never lost" does not hold
@@ -78,7 +85,10 @@ STAGE_DTYPES = ("int32", "float32", "float16")
 # Malformed layouts a peer may send (tests/_stateful_worker.py builds them).
 HOSTILE = ("misaligned", "overlap", "outside", "huge", "missing", "wrong_type")
 HOSTILE += ("committed_unbacked", "extra_fd")
-# JAX compiles one apply per shape and dtype: a few shapes keep the run bounded.
+# JAX compiles one apply per shape and dtype: a few shapes keep the run bounded. They are
+# small for a second reason: a StagedWriteTensor's own writer sizes its first staging slot for
+# num_rows writes (the invariant "a slot grows with the writes staged, not the rows" is being
+# fixed); lift that with a (2**20, 1) shape.
 STAGE_SHAPES = ((4, 8), (3, 5), (1, 1))
 
 

@@ -45,7 +45,7 @@ export PYTHONPATH="$WORK${PYTHONPATH:+:$PYTHONPATH}"
 export JAXBUF_SANITIZED=1
 # The sanitizer job runs more examples than the default run.
 export JAXBUF_STATEFUL_EXAMPLES=${JAXBUF_STATEFUL_EXAMPLES:-25}
-export JAXBUF_C_FUZZ_EXAMPLES=${JAXBUF_C_FUZZ_EXAMPLES:-1000}
+export JAXBUF_C_FUZZ_EXAMPLES=${JAXBUF_C_FUZZ_EXAMPLES:-600}
 
 cd "$WORK"
 # Prove the sanitized builds are the ones imported.
