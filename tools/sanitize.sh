@@ -75,4 +75,7 @@ TESTS=(
 )
 # Arguments, when given, replace the list (a path, -k, ...).
 if [ $# -gt 0 ]; then TESTS=("$@"); fi
-"$PYTHON" -m pytest -q -ra -p no:cacheprovider "${TESTS[@]}"
+# ASan keeps freed blocks in its quarantine (256 MiB by default), so a test that bounds the
+# process's RSS measures the sanitizer, not jaxbuf: it runs in the main job only.
+"$PYTHON" -m pytest -q -ra -p no:cacheprovider "${TESTS[@]}" \
+    --deselect tests/test_views.py::test_unconsumed_capsules_do_not_leak
