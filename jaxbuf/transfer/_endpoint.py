@@ -43,7 +43,9 @@ __all__ = ["KVEndpoint", "KVLayout", "Peer", "Transfer", "TransferError"]
 
 DEFAULT_TIMEOUT = 60.0
 """Seconds :meth:`Transfer.wait` waits by default."""
-_SPIN_SECONDS = 2e-4  # poll without sleeping this long: small transfers finish in microseconds
+# Poll without sleeping this long: small transfers finish in microseconds, and a sleep costs
+# a scheduler round trip (tens of microseconds, far more on a loaded machine).
+_SPIN_SECONDS = 2e-3
 
 
 class TransferError(RuntimeError):
