@@ -60,6 +60,13 @@ class Registration:
     deregistration that fails refuses the release (the chunk stays registered and mapped).
     :meth:`close` deregisters everything and detaches; ``tensor.free()`` does the same.
 
+    Only this process's transfers are waited for: a transfer a *peer* posts into this memory
+    is invisible here (NIXL tells the target nothing until its notification). Before
+    releasing memory that peers write or read, quiesce them through the application's own
+    protocol (a notification), then send them the new ``KVEndpoint.metadata()``: a peer's
+    endpoint forgets every registration the newer message no longer lists, and refuses
+    blocks beyond what it says is committed.
+
     Parameters
     ----------
     agent : Agent
