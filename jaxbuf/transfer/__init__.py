@@ -16,11 +16,17 @@ Examples
 --------
 Two endpoints in one process (two processes exchange ``metadata()`` the same way):
 
->>> import jaxbuf, numpy as np
+>>> import jaxbuf
 >>> from jaxbuf.transfer import Agent, KVEndpoint, KVLayout
->>> a, b = jaxbuf.ExtensibleTensor(8 << 20, "cpu"), jaxbuf.ExtensibleTensor(8 << 20, "cpu")
->>> a.resize_per_segment_(2 << 20); b.resize_per_segment_(2 << 20)
->>> ea = KVEndpoint(Agent("doc-a"), a, KVLayout(4096))  # doctest: +SKIP
+>>> a = jaxbuf.ExtensibleTensor(8 << 20, "cpu"); a.resize_per_segment_(2 << 20)
+>>> b = jaxbuf.ExtensibleTensor(8 << 20, "cpu"); b.resize_per_segment_(2 << 20)
+>>> ea = KVEndpoint(Agent("doc-a"), a, KVLayout(4096))
+>>> eb = KVEndpoint(Agent("doc-b"), b, KVLayout(4096))
+>>> a.segment_view(0).to_numpy()[:4096] = 7
+>>> ea.write(ea.connect(eb.metadata()), [0], [3]).wait(timeout=30)
+>>> int(eb.block_view(0, 3).to_numpy()[0])
+7
+>>> ea.close(); eb.close(); a.free(); b.free()
 """
 
 from jaxbuf.transfer._endpoint import KVEndpoint, KVLayout, Peer, Transfer, TransferError
