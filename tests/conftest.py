@@ -44,6 +44,29 @@ if _REPORT_DIR:
                 log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Skips grouped by reason, one line per reason with its count, instead of pytest's one
+    line per skip location (most skips here share a reason: no GPU, a missing framework).
+
+    Runs before pytest's short summary, where ``-rs`` (or ``-ra``) would list skips; they are
+    taken out of it, so each reason shows once."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if "s" not in terminalreporter.reportchars or not skipped:
+        return
+    terminalreporter.reportchars = terminalreporter.reportchars.replace("s", "")
+    by_reason: dict[str, list[str]] = {}
+    for report in skipped:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else longrepr
+        reason = str(reason).removeprefix("Skipped: ")
+        by_reason.setdefault(reason, []).append(report.nodeid.split("::", 1)[0])
+    terminalreporter.section(f"skips by reason ({len(skipped)} tests, {len(by_reason)} reasons)")
+    for reason, files in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+        where = len(set(files))
+        places = files[0] if where == 1 else f"{where} files"
+        terminalreporter.line(f"SKIPPED {len(files):>4} ({places}): {reason}")
+
+
 TORCH_REASON = _missing("torch")
 JAX_REASON = _missing("jax")
 TRITON_REASON = _missing("triton")

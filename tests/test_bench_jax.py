@@ -41,9 +41,12 @@ def check_row(row: dict) -> None:
     assert row["name"] and row["baseline_name"], row
     assert row["median_s"] is not None and math.isfinite(row["median_s"]) and row["median_s"] > 0
     assert row["baseline_median_s"] is not None and row["baseline_median_s"] > 0, row
-    assert row["ratio"] == pytest.approx(row["baseline_median_s"] / row["median_s"])
+    assert row["ratio"] == pytest.approx(row["median_s"] / row["baseline_median_s"])
     if row["target"]:
-        assert isinstance(row["met"], bool), row
+        assert isinstance(row["target_reached"], bool), row
+        # A --quick run reports its figures against the targets but judges only the targets
+        # that hold at any size (the decode loop's memory bound).
+        assert row["met"] == (row["target_reached"] if row["size_independent"] else None), row
     else:
         assert row["met"] is None, row
 
@@ -140,7 +143,8 @@ def test_staged_rows(jax_bench):
         assert [r["params"]["path"] for r in end_to_end] == ["pinned ring", "numpy buffer"]
         row = end_to_end[0]
         assert row["target"] == f"<= {factor:g}x plain JAX"
-        assert row["met"] == (row["median_s"] <= factor * row["baseline_median_s"])
+        reached = row["median_s"] <= factor * row["baseline_median_s"]
+        assert row["target_reached"] == reached and row["met"] is None  # quick sizes
         assert end_to_end[1]["target"] == "" and end_to_end[1]["met"] is None
 
 
@@ -178,7 +182,7 @@ def test_decode_rows_series_and_memory(jax_bench):
         memory = mine["decode-memory"]
         bound = [n + step["params"]["growth_step_bytes"] for n in needed[1:] + needed[-1:]]
         assert memory["met"] == all(h <= b for h, b in zip(series["jaxbuf"]["held_bytes"], bound))
-        assert memory["met"] is True
+        assert memory["met"] is True  # a memory bound: judged at quick sizes too
         assert mine["decode-spike"]["median_s"] == pytest.approx(max(series["jaxbuf"]["step_s"]))
     long_realloc = next(
         r for r in rows if r["params"]["kind"] == "decode-step" and r["params"]["profile"] == "long"

@@ -26,7 +26,7 @@ def check_row(row: Row) -> None:
     assert row.median_s is not None and math.isfinite(row.median_s) and row.median_s > 0
     assert row.baseline_name, row
     assert row.baseline_median_s is not None and row.baseline_median_s > 0, row
-    assert row.ratio == pytest.approx(row.baseline_median_s / row.median_s)
+    assert row.ratio == pytest.approx(row.median_s / row.baseline_median_s)  # jaxbuf ÷ baseline
     assert row.met in (None, True, False)
     if row.target:
         assert isinstance(row.met, bool), row

@@ -145,14 +145,27 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
     } <= names
     for suite_result in document["suites"]:
         assert suite_result["error"] is None, suite_result
-        assert suite_result["rows"], suite_result["name"]
+        assert bool(suite_result["rows"]) != bool(suite_result["skipped"]), suite_result
+        assert suite_result["interpreter"] is False  # not asked for: no interpreter figures
         for row in suite_result["rows"]:
             assert row["median_s"] > 0
             if row["baseline_median_s"] is not None:
-                assert row["ratio"] == pytest.approx(row["baseline_median_s"] / row["median_s"])
-    # Every suite prints a table with its name.
+                # One direction everywhere: jaxbuf ÷ baseline, lower is better.
+                assert row["ratio"] == pytest.approx(row["median_s"] / row["baseline_median_s"])
+            if row["target"]:
+                assert ">=" not in row["target"], row  # targets point the ratio's way
+                # --quick judges no full-size target, only bounds that hold at any size.
+                assert row["met"] is None or row["size_independent"], row
+    assert "MISSED" not in result.stdout
+    assert "not judged at quick sizes" in result.stdout
+    assert "jaxbuf ÷ baseline (lower is better)" in result.stdout  # the ratio column's header
+    # Every suite that ran prints a table with its name; the others are listed with a reason.
     for name in names:
         assert name in result.stdout
+    skipped = {s["name"]: s["skipped"] for s in document["suites"] if s["skipped"]}
+    assert {"staged.patterns", "staged.overlap", "uva.read", "peer.read"} <= skipped.keys()
+    for name, reason in skipped.items():
+        assert f"  {name}: {reason}" in result.stdout
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -306,7 +319,7 @@ def test_registering_a_name_twice_is_an_error():
 
 
 def test_row_ratio_and_formatting():
-    assert Row("a", 2e-3, "b", 4e-3).ratio == pytest.approx(2.0)
+    assert Row("a", 2e-3, "b", 4e-3).ratio == pytest.approx(0.5)  # jaxbuf ÷ baseline
     assert Row("a", 2e-3, "b", None).ratio is None
     assert Row("a", 2e-3).to_json()["ratio"] is None
     assert format_bytes(2 << 20) == "2 MiB" and format_bytes(48 << 30) == "48 GiB"
@@ -339,10 +352,13 @@ def test_bench_on_a_core_only_install_skips_what_needs_a_framework(tmp_path):
     versions = document["versions"]
     assert versions["torch"] == versions["jax"] == "not installed" != versions["numpy"]
     by_name = {s["name"]: s for s in document["suites"]}
-    for name in ("staged.apply", "staged.overlap", "uva.read"):
+    for name in ("staged.apply", "jax.decode", "jax.staged"):
         reason = by_name[name]["skipped"]
         assert reason and "not installed" in reason and "pip install 'jaxbuf[" in reason, name
         assert f"{name}: skipped: {reason}" in result.stdout
+    # What would not mean anything on the CPU says so first, installed or not.
+    assert by_name["uva.read"]["skipped"].startswith("needs a CUDA GPU: ")
+    assert "Triton's interpreter" in by_name["staged.overlap"]["skipped"]
     ran = [s for s in document["suites"] if s["skipped"] is None]
     assert {"extensible.growth", "extensible.views", "uva.copy_to_uva"} <= {s["name"] for s in ran}
     for suite_result in document["suites"]:
@@ -359,13 +375,13 @@ def test_bench_on_a_core_only_install_skips_what_needs_a_framework(tmp_path):
 
 def test_a_row_whose_baseline_was_skipped_is_never_missed():
     row = Row("grow", 1e-3, "torch realloc+copy", None, notes="skipped: torch is not installed")
-    row.target, row.met = ">= 1000x", False  # what a suite computes from a missing ratio
+    row.target, row.met = "<= 0.001x", False  # what a suite computes from a missing ratio
     assert row.baseline_skipped and row.judged is None
-    assert row.verdict == ">= 1000x not judged" and "MISSED" not in row.verdict
+    assert row.verdict == "<= 0.001x not judged" and "MISSED" not in row.verdict
     assert row.to_json()["met"] is None
-    measured = Row("grow", 1e-3, "torch realloc+copy", 0.5, target=">= 1000x", met=False)
-    assert measured.verdict == ">= 1000x MISSED" and measured.to_json()["met"] is False
-    assert Row("grow", 1e-3, "b", 2.0, target=">= 1000x", met=True).verdict == ">= 1000x ok"
+    measured = Row("grow", 1e-3, "torch realloc+copy", 0.5, target="<= 0.001x", met=False)
+    assert measured.verdict == "<= 0.001x MISSED" and measured.to_json()["met"] is False
+    assert Row("grow", 1e-3, "b", 2.0, target="<= 0.001x", met=True).verdict == "<= 0.001x ok"
     absolute = Row("capsule", 1e-7, target="<= 2 µs", met=True)  # no baseline at all
     assert absolute.verdict == "<= 2 µs ok"
     assert Row("view", None, notes="skipped").verdict == ""
@@ -498,3 +514,213 @@ def test_plot_without_matplotlib_is_one_line_and_nonzero(tmp_path):
     assert_one_line_error(result)
     assert "--plot needs matplotlib" in result.stderr and "jaxbuf[plot]" in result.stderr
     assert not (tmp_path / "results").exists()
+
+
+# -- what runs off a GPU, interpreter figures, one line per suite, one ratio direction -------
+def test_off_a_gpu_gpu_only_and_interpreter_suites_are_skipped_with_their_reason():
+    from jaxbuf.devices import Device
+
+    cpu = Device("cpu")
+    suites = {s.name: s for s in select_suites()}
+    for name in ("staged.patterns", "staged.overlap"):
+        assert suites[name].uses_interpreter(cpu)
+        assert "Triton's interpreter" in suites[name].skip_reason(cpu)
+        assert "--interpreter" in suites[name].skip_reason(cpu)
+        assert suites[name].skip_reason(cpu, interpreter=True) == suites[name].missing_requirement()
+    for name in ("uva.read", "peer.read"):
+        assert suites[name].skip_reason(cpu, interpreter=True).startswith("needs a CUDA GPU: ")
+    # What means something on the CPU runs by default: growth, views, UVA copies, staging on
+    # the host, the JAX suites.
+    for name in ("extensible.growth", "extensible.views", "uva.copy_to_uva", "staged.stage"):
+        assert suites[name].skip_reason(cpu) is None, name
+    assert not suites["extensible.growth"].uses_interpreter(Device("cuda", 0))
+
+
+def _register_cpu_suites(gpu_ran: list[str]) -> None:
+    """Four suites: plain, GPU-only, interpreted (each with a target) and a failing-target one."""
+
+    @suite("test_cli.plain")
+    def plain(device, quick):
+        yield Sizes("1 row")
+        yield Row("fast", 1e-6, "slow", 4e-6, target="<= 0.5x", met=True)
+        yield Row("slow", 4e-6, "fast", 1e-6, target="<= 0.5x", met=False)
+
+    @suite("test_cli.gpu_only", gpu_only="a GPU measurement")
+    def gpu_only(device, quick):
+        gpu_ran.append("gpu_only")
+        yield Row("never", 1e-6)
+
+    @suite("test_cli.interpreted", interpreted=True)
+    def interpreted(device, quick):
+        yield Sizes("1 row")
+        yield Row("kernel", 1.0, "torch", 1e-3, target="<= 1x", met=False)
+
+
+def test_cpu_run_skips_lists_and_labels(tmp_path, capsys, temporary_suites):
+    ran: list[str] = []
+    _register_cpu_suites(ran)
+    json_path = tmp_path / "run.json"
+    argv = ["bench", "--device", "cpu", "--only", "test_cli", "--json", str(json_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert ran == []  # a GPU-only suite never runs on the CPU
+    assert "skipped here (2 of 3 suites):" in out
+    assert "  test_cli.gpu_only: needs a CUDA GPU: a GPU measurement" in out
+    assert "  test_cli.interpreted: off a GPU its kernels run under Triton's interpreter" in out
+    assert "<= 0.5x ok" in out and "<= 0.5x MISSED" in out  # full sizes: judged
+    document = json.loads(json_path.read_text())
+    assert document["interpreter"] is False
+    assert document["ratio"].startswith("median_s / baseline_median_s (jaxbuf ÷ baseline")
+    plain_rows = document["suites"][0]["rows"]
+    assert [r["ratio"] for r in plain_rows] == [pytest.approx(0.25), pytest.approx(4.0)]
+    assert [r["met"] for r in plain_rows] == [True, False]
+
+    # Asked for, the interpreter suite runs, labelled, and is never judged.
+    assert main([*argv, "--interpreter"]) == 0
+    out = capsys.readouterr().out
+    assert "Triton interpreter figures: they time the interpreter, not jaxbuf" in out
+    assert "<= 1x not judged (interpreter)" in out and "<= 1x MISSED" not in out
+    interpreted = json.loads(json_path.read_text())["suites"][2]
+    assert interpreted["interpreter"] is True
+    (row,) = interpreted["rows"]
+    assert row["interpreter"] is True and row["met"] is None and row["target_reached"] is False
+
+
+def test_quick_runs_report_targets_without_judging_them(tmp_path, capsys, temporary_suites):
+    _register_cpu_suites([])
+    argv = ["bench", "--device", "cpu", "--quick", "--only", "test_cli.plain"]
+    assert main([*argv, "--json", str(tmp_path / "quick.json")]) == 0
+    out = capsys.readouterr().out
+    assert "(quick: small sizes, targets not judged at quick sizes)" in out
+    assert out.count("<= 0.5x not judged at quick sizes") == 2 and "MISSED" not in out
+    rows = json.loads((tmp_path / "quick.json").read_text())["suites"][0]["rows"]
+    assert [(r["met"], r["target_reached"], r["at_quick_sizes"]) for r in rows] == [
+        (None, True, True),
+        (None, False, True),
+    ]
+    bound = Row("held", 1.0, "b", 1.0, target="held <= tokens", met=False, size_independent=True)
+    bound.at_quick_sizes = True
+    assert bound.verdict == "held <= tokens MISSED"  # a bound at any size is judged anyway
+
+
+def test_one_line_per_suite_when_stdout_is_not_a_terminal(tmp_path, capsys, temporary_suites):
+    _register_cpu_suites([])
+    argv = ["bench", "--device", "cpu", "--only", "test_cli", "--json", str(tmp_path / "x.json")]
+    assert main(argv) == 0  # capsys: stdout is not a terminal
+    lines = capsys.readouterr().out.splitlines()
+    progress = [line for line in lines if line.startswith("[")]
+    assert len(progress) == 3
+    assert re.fullmatch(
+        r"\[1/3\] test_cli\.plain \(\d+\.\d s\): 2 rows: 1 ok, 1 MISSED", progress[0]
+    )
+    assert re.fullmatch(
+        r"\[2/3\] test_cli\.gpu_only \(\d+\.\d s\): skipped: needs a CUDA GPU: a GPU measurement",
+        progress[1],
+    )
+    assert progress[2].startswith("[3/3] test_cli.interpreted (")
+    # The lines come before the tables, as each suite ends.
+    title = next(i for i, line in enumerate(lines) if line.startswith("test_cli.plain: "))
+    assert lines.index(progress[-1]) < title
+
+
+def test_the_ratio_column_says_its_direction():
+    from jaxbuf.bench import RATIO
+    from jaxbuf.cli._bench import RATIO_COLUMN, _row_cells
+
+    assert RATIO == "jaxbuf ÷ baseline"
+    assert RATIO_COLUMN == "jaxbuf ÷ baseline (lower is better)"
+    cells = _row_cells(Row("x", 3e-6, "base", 1e-6, interpreter=True, notes="n"))
+    assert cells[4] == "3x" and cells[6] == "Triton interpreter; n"
+
+
+# -- plots: one size as bars, the granule floor drawn and explained ---------------------------
+@pytest.fixture
+def captured_figures(monkeypatch):
+    """The figures the plotters save, kept open for the test to inspect."""
+    pytest.importorskip("matplotlib")
+    from jaxbuf.cli import _bench
+
+    figures: list = []
+
+    def keep(plt, figure, path, note=""):
+        figures.append((figure, note))
+
+    monkeypatch.setattr(_bench, "_save", keep)
+    yield figures
+    import matplotlib.pyplot as plt
+
+    for figure, _ in figures:
+        plt.close(figure)
+
+
+def _growth_rows(committed_sizes):
+    rows = []
+    for committed in committed_sizes:
+        params = {"committed_bytes": committed, "step_bytes": 2 << 20, "baseline_kind": "floor"}
+        row = Row(f"+2 MiB onto {committed}", 1e-5, "floor", 9e-6, params=params)
+        rows.append(row.to_json())
+    return [{"name": "extensible.growth", "rows": rows}]
+
+
+def test_a_plot_of_one_size_draws_bars_and_of_several_lines(captured_figures, tmp_path):
+    from jaxbuf.cli._bench import _plot_growth, _plot_staged
+
+    assert _plot_growth(_growth_rows([8 << 20]), tmp_path / "g.png", "cpu")
+    assert _plot_growth(_growth_rows([8 << 20, 32 << 20]), tmp_path / "g.png", "cpu")
+    one, several = (figure.axes[0] for figure, _ in captured_figures)
+    assert len(one.patches) == 2 and not one.lines  # jaxbuf and the floor, as bars
+    assert "onto 8 MiB" in one.get_title()
+    assert not several.patches and len(several.lines) == 2
+
+    rows = [
+        Row(
+            "apply",
+            1.0,
+            "seed",
+            0.5,
+            interpreter=True,
+            params={
+                "kind": "pattern-apply",
+                "timing": "host",
+                "pattern": pattern,
+                "num_writes": 256,
+                "baseline_kind": "seed",
+            },
+        ).to_json()
+        for pattern in ("own row", "random")
+    ]
+    assert _plot_staged([{"name": "staged.patterns", "rows": rows}], tmp_path / "s.png", "cpu")
+    figure, note = captured_figures[-1]
+    (axis,) = figure.axes
+    assert len(axis.patches) == 4 and not axis.lines  # 2 patterns x (jaxbuf, seed-style)
+    assert "Triton interpreter" in axis.get_title() and "interpreter" in note
+
+
+def test_the_decode_plot_draws_and_explains_the_granule_floor(captured_figures, tmp_path):
+    from jaxbuf.cli._bench import _plot_decode
+
+    series = {"step_s": [1e-3, 1e-3], "held_bytes": [2 << 20, 2 << 20]}
+    params = {
+        "kind": "decode-step",
+        "profile": "short",
+        "granule_bytes": 2 << 20,
+        "needed_bytes": [1 << 19, 1 << 19],
+        "series": {"jaxbuf": series, "preallocated": {**series, "held_bytes": [1 << 19] * 2}},
+    }
+    result = [{"name": "jax.decode", "rows": [Row("d", 1e-3, params=params).to_json()]}]
+    assert _plot_decode(result, tmp_path / "d.png", "cpu")
+    figure, note = captured_figures[0]
+    memory = figure.axes[0]
+    floors = [line for line in memory.lines if line.get_label().startswith("granule floor")]
+    assert len(floors) == 1 and floors[0].get_ydata()[0] == pytest.approx(2.0)  # MiB
+    assert "2 MiB" in floors[0].get_label()
+    assert "commits whole granules" in note and "at least one granule" in note
+
+
+def test_the_readme_names_every_file_the_bench_command_writes():
+    from jaxbuf.cli._bench import _PLOTTERS
+
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "results/bench-<device>.json" in readme
+    for kind in _PLOTTERS:
+        assert f"results/{kind}-<device>.png" in readme, kind

@@ -35,13 +35,15 @@ def render(result: dict) -> str:
             lines += [f"Failed: `{suite['error']}`", ""]
             continue
         columns = ["measurement", "median", "device", "baseline", "baseline median"]
-        columns += ["baseline ÷ jaxbuf", "target"]
+        columns += ["jaxbuf ÷ baseline (lower is better)", "target"]
         lines += [
             "| " + " | ".join(columns) + " |",
             "| --- | ---: | ---: | --- | ---: | ---: | --- |",
         ]
         for row in suite["rows"]:
             ratio = row.get("ratio")
+            if ratio and "ratio" not in result:  # written when ratios were baseline ÷ jaxbuf
+                ratio = 1 / ratio
             target = row.get("target") or ""
             if target and row.get("met") is not None:
                 target += " ✓" if row["met"] else " ✗"

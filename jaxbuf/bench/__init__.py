@@ -39,6 +39,14 @@ Rules for suites:
   its reason (:class:`SuiteSkipped`), never a traceback. A baseline that cannot run
   (framework missing, out of memory) keeps its row, with ``baseline_median_s=None`` and
   the reason in ``notes``; such a row is never judged against its target.
+* Every ratio is jaxbuf ÷ baseline (:attr:`Row.ratio`, lower is better), and every target
+  says where that ratio or time must stay in the same direction: ``"<= 1.2x the floor"``,
+  ``"<= 0.001x"`` (a thousandth of realloc+copy's time), ``"<= 2 µs"``. Targets are set
+  for full sizes on a GPU: rows of a ``quick`` run and interpreter rows are not judged.
+* A suite whose figures mean nothing off a GPU (a peer read, UVA against device memory,
+  both host RAM on the CPU) says why in ``gpu_only=``; one whose kernels run under Triton's
+  interpreter off a GPU is ``interpreted=True``: the command skips it there unless asked
+  (``--interpreter``), and labels its rows as interpreter figures.
 * Free every buffer before returning (or before the next row, for big ones); time with
   :mod:`jaxbuf.bench._timing`; put what the plot or a reader needs into ``Row.params``
   (plain JSON values).
@@ -61,6 +69,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "RATIO",
     "SUITES",
     "Row",
     "Sizes",
@@ -88,16 +97,25 @@ EXTRA_FOR_MODULE = {
 }
 
 
+#: What every ratio is, in the table header and the JSON result: lower is better.
+RATIO = "jaxbuf ÷ baseline"
+
+
 @dataclass
 class Row:
     """One line of a benchmark table.
 
-    ``ratio`` is ``baseline_median_s / median_s``: above 1, the measured thing is faster than
-    its baseline. A baseline that could not run (framework missing, out of memory) has
-    ``baseline_median_s=None`` and says why in ``notes``. ``target`` states the goal in
-    words (``">= 1000x"``), ``met`` whether this run reached it (None: no goal).
-    ``device_median_s`` is the device-side time where host and device time differ
-    (CUDA events around asynchronous work).
+    ``ratio`` is ``median_s / baseline_median_s``, jaxbuf ÷ baseline: below 1, the measured
+    thing is faster than its baseline (lower is better, in every suite). A baseline that
+    could not run (framework missing, out of memory) has ``baseline_median_s=None`` and says
+    why in ``notes``. ``target`` states the goal in the same direction (``"<= 0.001x"``: at
+    most a thousandth of the baseline's time; ``"<= 2 µs"``), ``met`` whether this run
+    reached it (None: no goal). ``device_median_s`` is the device-side time where host and
+    device time differ (CUDA events around asynchronous work).
+
+    Targets are set for full sizes on a GPU: a row measured at ``--quick`` sizes
+    (``at_quick_sizes``) or under Triton's interpreter (``interpreter``) is reported, never
+    judged, unless its target holds at any size (``size_independent``: a memory bound).
     """
 
     name: str
@@ -110,12 +128,16 @@ class Row:
     device_median_s: float | None = None
     baseline_device_median_s: float | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    at_quick_sizes: bool = False
+    interpreter: bool = False
+    size_independent: bool = False
 
     @property
     def ratio(self) -> float | None:
-        if not self.median_s or self.baseline_median_s is None:
+        """jaxbuf ÷ baseline (lower is better), or None without both medians."""
+        if self.median_s is None or not self.baseline_median_s:
             return None
-        return self.baseline_median_s / self.median_s
+        return self.median_s / self.baseline_median_s
 
     @property
     def baseline_skipped(self) -> bool:
@@ -124,26 +146,40 @@ class Row:
 
     @property
     def judged(self) -> bool | None:
-        """``met``, or None where the row cannot be judged: no target, nothing measured, or
-        a skipped baseline (a skipped baseline is no evidence that the target was missed)."""
+        """``met``, or None where the row cannot be judged: no target, nothing measured, a
+        skipped baseline (no evidence that the target was missed), quick sizes or the
+        interpreter (the target is set for full sizes on a GPU)."""
         if not self.target or self.median_s is None or self.baseline_skipped:
+            return None
+        if (self.at_quick_sizes or self.interpreter) and not self.size_independent:
             return None
         return self.met
 
     @property
     def verdict(self) -> str:
         """The target column: ``"<target> ok"``, ``"<target> MISSED"``, ``"<target> not
+        judged at quick sizes"``, ``"<target> not judged (interpreter)"``, ``"<target> not
         judged"`` (see :attr:`judged`) or ``""`` without a target."""
         if not self.target:
             return ""
         judged = self.judged
-        if judged is None:
-            return f"{self.target} not judged" if self.met is not None else self.target
-        return f"{self.target} {'ok' if judged else 'MISSED'}"
+        if judged is not None:
+            return f"{self.target} {'ok' if judged else 'MISSED'}"
+        if self.met is None:
+            return self.target
+        if self.median_s is not None and not self.baseline_skipped:
+            if self.interpreter:
+                return f"{self.target} not judged (interpreter)"
+            if self.at_quick_sizes:
+                return f"{self.target} not judged at quick sizes"
+        return f"{self.target} not judged"
 
     def to_json(self) -> dict[str, Any]:
+        """Plain values: ``met`` is the judgement (:attr:`judged`), ``target_reached``
+        whether this run's figures reach the target, judged or not."""
         data = asdict(self)
         data["ratio"] = self.ratio
+        data["target_reached"] = data.pop("met")
         data["met"] = self.judged
         return data
 
@@ -197,13 +233,20 @@ SuiteFunction = Callable[[Any, bool], Iterable["Row | Sizes"]]
 @dataclass(frozen=True)
 class Suite:
     """A registered suite: ``function(device, quick)`` yields :class:`Row` s and one
-    :class:`Sizes`; ``requires`` names the optional modules it cannot run without."""
+    :class:`Sizes`; ``requires`` names the optional modules it cannot run without.
+
+    ``gpu_only`` says why its figures mean nothing off a CUDA GPU (it is skipped there, with
+    that reason); ``interpreted``: off a GPU its kernels run under Triton's interpreter, so it
+    runs there only on request, its rows labelled as interpreter figures and never judged.
+    """
 
     name: str
     function: SuiteFunction
     description: str
     requires: tuple[str, ...] = ()
     fresh_jax_allocations: bool = False
+    gpu_only: str = ""
+    interpreted: bool = False
 
     def missing_requirement(self) -> str | None:
         """Why this suite cannot run here (the first missing requirement), or None."""
@@ -213,13 +256,36 @@ class Suite:
                 return reason
         return None
 
+    def uses_interpreter(self, device: Any) -> bool:
+        """Whether this suite's kernels would run under Triton's interpreter on ``device``."""
+        return self.interpreted and not getattr(device, "is_cuda", False)
+
+    def skip_reason(self, device: Any, *, interpreter: bool = False) -> str | None:
+        """Why this suite does not run on ``device`` (a missing requirement, a GPU-only
+        measurement, interpreter figures not asked for with ``interpreter``), or None."""
+        if self.gpu_only and not getattr(device, "is_cuda", False):
+            return f"needs a CUDA GPU: {self.gpu_only}"
+        if self.uses_interpreter(device) and not interpreter:
+            return (
+                "off a GPU its kernels run under Triton's interpreter, which times the "
+                "interpreter, not jaxbuf (--interpreter runs it, labelled as such)"
+            )
+        return self.missing_requirement()
+
     def run(
-        self, device: Any, quick: bool, sizes: Callable[[str], None] | None = None
+        self,
+        device: Any,
+        quick: bool,
+        sizes: Callable[[str], None] | None = None,
     ) -> Iterator[Row]:
-        """The suite's rows, as it produces them; the :class:`Sizes` it states go to
-        ``sizes`` (the command's title), and are dropped without it."""
+        """The suite's rows, as it produces them, marked as measured at quick sizes or under
+        the interpreter where they were; the :class:`Sizes` it states go to ``sizes`` (the
+        command's title), and are dropped without it."""
+        interpreted = self.uses_interpreter(device)
         for item in self.function(device, quick):
             if isinstance(item, Row):
+                item.at_quick_sizes = item.at_quick_sizes or bool(quick)
+                item.interpreter = item.interpreter or interpreted
                 yield item
             elif isinstance(item, Sizes):
                 if sizes is not None:
@@ -242,23 +308,39 @@ def _first_paragraph(doc: str | None) -> str:
 
 
 def suite(
-    name: str, *, requires: Sequence[str] = (), fresh_jax_allocations: bool = False
+    name: str,
+    *,
+    requires: Sequence[str] = (),
+    fresh_jax_allocations: bool = False,
+    gpu_only: str = "",
+    interpreted: bool = False,
 ) -> Callable[[SuiteFunction], SuiteFunction]:
     """Register the decorated function as the benchmark suite ``name``, which cannot run
     without the optional modules ``requires`` (import names: ``"torch"``, ``"triton"``).
     ``fresh_jax_allocations``: its numbers need JAX to allocate from the device each time
-    (realloc baselines, memory readings), not from its pool (see the module docstring)."""
+    (realloc baselines, memory readings), not from its pool (see the module docstring).
+    ``gpu_only``: why its figures mean nothing off a CUDA GPU (skipped there, saying so).
+    ``interpreted``: off a GPU its kernels run under Triton's interpreter (run only on
+    request, labelled)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"suite name must be a non-empty string, got {name!r}")
     if isinstance(requires, str) or not all(isinstance(m, str) and m for m in requires):
         raise TypeError(f"requires must be a sequence of module names, got {requires!r}")
+    if not isinstance(gpu_only, str):
+        raise TypeError(f"gpu_only must be a reason (a string), got {gpu_only!r}")
 
     def register(function: SuiteFunction) -> SuiteFunction:
         if name in SUITES and SUITES[name].function is not function:
             raise ValueError(f"benchmark suite {name!r} is registered twice")
         description = _first_paragraph(function.__doc__)
         SUITES[name] = Suite(
-            name, function, description, tuple(requires), bool(fresh_jax_allocations)
+            name,
+            function,
+            description,
+            tuple(requires),
+            bool(fresh_jax_allocations),
+            gpu_only,
+            bool(interpreted),
         )
         return function
 

@@ -24,7 +24,7 @@ of numpy arrays), against what a plain JAX user writes: the indices built in num
   ``a.at[r, c].set(v)``: 50 applies chained in one jitted function (unrolled: a ``fori_loop``
   adds a host round trip per iteration, about 15 µs on an H200, which hid the applies' own
   cost), inputs prebuilt on the device, so one dispatch is spread over 50 launches; the
-  issue's target on a GPU: the default apply of the ring's packs no slower than plain JAX.
+  target on a GPU: the default apply of the ring's packs no slower than plain JAX.
 
 The writes are disjoint, so the plain scatter's unspecified order among duplicates does not
 matter (``pack_writes`` resolves overlaps, later writes winning). On a GPU the apply runs with

@@ -395,7 +395,7 @@ def _launch_row(device: Any, quick: bool) -> Row:
     )
 
 
-@suite("staged.patterns", requires=("torch", "triton"))
+@suite("staged.patterns", requires=("torch", "triton"), interpreted=True)
 def pattern_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
     """One apply of small writes over 4 tables per write pattern (own row, rows repeat,
     random, heavy overlap), host and end to end, against the seed-style apply and torch

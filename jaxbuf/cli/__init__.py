@@ -3,16 +3,20 @@
 Subcommands:
 
 * ``info``: platform, which drivers work here (and why not), library versions, granule sizes;
-* ``bench``: the benchmark suites of :mod:`jaxbuf.bench`, a table per suite whose title
-  states the sizes run, a JSON result file and, with ``--plot``, PNGs of growth cost
-  against committed size and of the decode loop's memory and step time. A suite whose
-  optional dependency (torch, JAX, Triton) is missing is skipped with its reason; a row whose
-  baseline was skipped is not judged against its target;
+* ``bench``: the benchmark suites of :mod:`jaxbuf.bench` that mean something on the device,
+  a table per suite whose title states the sizes run (every ratio jaxbuf ÷ baseline, lower
+  is better), a JSON result file and, with ``--plot``, PNGs of growth cost against committed
+  size, of the decode loop's memory and step time, and of the staged apply per pattern. A
+  suite whose optional dependency (torch, JAX, Triton) is missing, whose figures need a GPU,
+  or whose kernels would run under Triton's interpreter (unless ``--interpreter``) is skipped
+  with its reason; a row is judged against its target only at full sizes, outside the
+  interpreter, with its baseline measured;
 * ``demo``: a terminal walkthrough: grow a buffer four times, seeing the same bytes from torch
   and JAX; then the worked example of notebook 4 (:mod:`jaxbuf.demo`), a toy decode loop over a
   growing paged KV cache, with a progress bar and a summary table.
 
-``--device`` defaults to CUDA when it works here, else the CPU. A bad device or a missing
+``--version`` prints the version. ``--device`` defaults to CUDA when it works here, else the
+CPU. A bad device or a missing
 framework prints one line, ``jaxbuf: error: ...``, on stderr and exits with status 2.
 """
 
@@ -47,7 +51,17 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="run the benchmark suites")
     bench.add_argument("--device", help=device_help)
-    bench.add_argument("--quick", action="store_true", help="small sizes, few repetitions")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes, few repetitions (targets are not judged at quick sizes)",
+    )
+    bench.add_argument(
+        "--interpreter",
+        action="store_true",
+        help="off a GPU, also run the suites whose Triton kernels run under Triton's "
+        "interpreter (their rows are labelled interpreter figures and never judged)",
+    )
     bench.add_argument(
         "--json", metavar="PATH", help="result file (default: results/bench-<device>.json)"
     )

@@ -3,9 +3,13 @@ title states the sizes run), write the JSON result and, with ``--plot``, the plo
 cost (``extensible.growth``), the decode loop's memory and step time (``jax.decode``) and the
 staged apply's time against writes per pattern (``staged.patterns``).
 
-A suite whose optional dependency is missing is skipped with its reason (never a traceback
-or ``FAILED``); a row whose baseline was skipped is shown "not judged" instead of
-``MISSED`` (:attr:`jaxbuf.bench.Row.verdict`).
+What runs is what means something on the device: a suite whose optional dependency is
+missing, whose figures need a GPU (``gpu_only``), or whose kernels would run under Triton's
+interpreter (``interpreted``, unless ``--interpreter``) is skipped with its reason, listed
+at the end (never a traceback or ``FAILED``). Every ratio is jaxbuf ÷ baseline, lower is
+better; a row is judged against its target only at full sizes, outside the interpreter, with
+its baseline measured (:attr:`jaxbuf.bench.Row.verdict`). When stdout is not a terminal (a
+log, a pipe) each suite prints one line as it ends: its name, elapsed time and verdicts.
 """
 
 from __future__ import annotations
@@ -31,8 +35,12 @@ from ._shared import (
 )
 
 #: ``--plot`` given without a path: write ``results/growth-<device>.png``,
-#: ``results/decode-<device>.png`` and ``results/staged-<device>.png``.
+#: ``results/decode-<device>.png`` and ``results/staged-<device>.png`` (those with rows).
 PLOT_DEFAULT = object()
+
+#: The ratio column's header: one direction for every suite.
+RATIO_COLUMN = "jaxbuf ÷ baseline (lower is better)"
+INTERPRETER_LABEL = "Triton interpreter figures: they time the interpreter, not jaxbuf"
 
 
 def _device_file_name(device: Any) -> str:
@@ -65,7 +73,8 @@ def _row_cells(row: Any) -> list[str]:
     from jaxbuf.bench import format_seconds
 
     ratio = row.ratio
-    notes = [row.notes] if row.notes else []
+    notes = ["Triton interpreter"] if row.interpreter else []
+    notes += [row.notes] if row.notes else []
     if row.device_median_s is not None:
         notes.append(f"device {format_seconds(row.device_median_s)}")
     if row.baseline_device_median_s is not None:
@@ -102,12 +111,43 @@ def _log_log(axis: Any, xlabel: str, ylabel: str, title: str, *, legend_size: in
     axis.legend(fontsize=legend_size)
 
 
-def _save(plt: Any, figure: Any, path: Path) -> None:
-    """Write ``figure`` to ``path`` as PNG (making its folder), then close it."""
-    figure.tight_layout()
+def _save(plt: Any, figure: Any, path: Path, note: str = "") -> None:
+    """Write ``figure`` to ``path`` as PNG (making its folder), then close it; ``note`` is
+    printed under the axes (what a reader needs to read them right)."""
+    if note:
+        figure.text(0.5, 0.01, note, ha="center", va="bottom", fontsize=8, wrap=True)
+        figure.tight_layout(rect=(0, 0.05, 1, 1))
+    else:
+        figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _one_size(by_label: dict[str, dict[Any, float]]) -> bool:
+    """Whether every series of ``by_label`` is measured at the same single x: a line plot
+    of one x is a column of dots, so such data is drawn as bars (:func:`_bars`)."""
+    return len({x for points in by_label.values() for x in points}) == 1
+
+
+def _bars(
+    axis: Any,
+    by_label: dict[str, dict[Any, float]],
+    scale: float,
+    ylabel: str,
+    title: str,
+    colours: list[str] | None = None,
+) -> None:
+    """One bar per series of ``by_label`` (each a single point), log-scaled values."""
+    labels = list(by_label)
+    values = [next(iter(by_label[label].values())) * scale for label in labels]
+    positions = range(len(labels))
+    axis.bar(positions, values, color=colours or [f"C{i}" for i in positions])
+    axis.set_xticks(list(positions), labels, rotation=30, ha="right", fontsize=7)
+    axis.set_yscale("log")
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
+    axis.grid(True, axis="y", which="both", alpha=0.3)
 
 
 def _plot_growth(results: list[dict[str, Any]], path: Path, device: Any) -> bool:
@@ -147,6 +187,11 @@ def _plot_growth(results: list[dict[str, Any]], path: Path, device: Any) -> bool
         return False
     figure, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4.5), squeeze=False)
     for axis, (step, by_label) in zip(axes[0], sorted(series.items())):
+        if _one_size(by_label):  # one committed size: bars, not a column of dots
+            (committed,) = {x for points in by_label.values() for x in points}
+            title = f"grow by {format_bytes(step)} onto {format_bytes(committed)} on {device}"
+            _bars(axis, by_label, 1.0, "time per grow (s)", title)
+            continue
         for label, points in by_label.items():
             xs = sorted(points)
             axis.plot([x / 2**30 for x in xs], [points[x] for x in xs], marker="o", label=label)
@@ -185,8 +230,11 @@ def _plot_decode(results: list[dict[str, Any]], path: Path, device: Any) -> bool
         "preallocated": "JAX, preallocated",
         "realloc": "JAX, realloc+copy",
     }
+    from jaxbuf.bench import format_bytes
+
     columns = len(profiles)
     figure, axes = plt.subplots(2, columns, figsize=(6 * columns, 8), squeeze=False)
+    granules = {p["granule_bytes"] for p in profiles if p.get("granule_bytes")}
     for column, params in enumerate(profiles):
         memory, time_axis = axes[0][column], axes[1][column]
         for variant, series in params["series"].items():
@@ -197,6 +245,15 @@ def _plot_decode(results: list[dict[str, Any]], path: Path, device: Any) -> bool
         if params.get("needed_bytes"):
             needed = [b / 2**20 for b in params["needed_bytes"]]
             memory.plot(range(len(needed)), needed, "k:", label="pages the tokens use")
+        if params.get("granule_bytes"):
+            granule = params["granule_bytes"]
+            memory.axhline(
+                granule / 2**20,
+                color="grey",
+                ls="--",
+                lw=0.8,
+                label=f"granule floor ({format_bytes(granule)}): jaxbuf's least",
+            )
         memory.set_title(f"{params['profile']} lengths on {device}: KV cache memory")
         memory.set_ylabel("bytes held (MiB)")
         time_axis.set_title(f"{params['profile']} lengths on {device}: step time")
@@ -206,7 +263,16 @@ def _plot_decode(results: list[dict[str, Any]], path: Path, device: Any) -> bool
             axis.set_xlabel("decode step")
             axis.grid(True, which="both", alpha=0.3)
             axis.legend(fontsize=8)
-    _save(plt, figure, path)
+    note = ""
+    if granules:
+        note = (
+            f"The driver commits whole granules ({', '.join(map(format_bytes, sorted(granules)))}"
+            " here): jaxbuf's cache holds at least one granule, and grows a granule at a time "
+            "where a growth step is smaller, so at small sizes it can hold more than a "
+            "preallocated cache; the row's memory target allows one growth step above the "
+            "tokens' pages."
+        )
+    _save(plt, figure, path, note)
     return True
 
 
@@ -242,8 +308,25 @@ def _plot_staged(results: list[dict[str, Any]], path: Path, device: Any) -> bool
     figure, axes = plt.subplots(1, len(timings), figsize=(7 * len(timings), 5), squeeze=False)
     styles = {"jaxbuf": "-", "seed-style": "--", "torch index_put_": ":"}
     colours: dict[str, str] = {}
+    interpreted = any(
+        row.get("interpreter")
+        for result in results
+        for row in result["rows"]
+        if row["params"].get("kind") == "pattern-apply"
+    )
+    where = f"{device}, Triton interpreter" if interpreted else str(device)
     for axis, timing in zip(axes[0], timings):
-        for label, points in series[timing].items():  # the suite's order: patterns first
+        by_label = series[timing]
+        if _one_size(by_label):  # one number of writes: bars, one colour per pattern
+            (writes,) = {x for points in by_label.values() for x in points}
+            bar_colours = [
+                colours.setdefault(label.partition(": ")[0], f"C{len(colours)}")
+                for label in by_label
+            ]
+            title = f"staged apply of {writes:,} writes, {timing}, on {where}"
+            _bars(axis, by_label, 1e6, "time per apply (µs)", title, bar_colours)
+            continue
+        for label, points in by_label.items():  # the suite's order: patterns first
             pattern, _, who = label.partition(": ")
             colour = colours.setdefault(pattern, f"C{len(colours)}")
             xs = sorted(points)
@@ -259,10 +342,13 @@ def _plot_staged(results: list[dict[str, Any]], path: Path, device: Any) -> bool
             axis,
             "writes per apply",
             "time per apply (µs)",
-            f"staged apply, {timing}, on {device}",
+            f"staged apply, {timing}, on {where}",
             legend_size=7,
         )
-    _save(plt, figure, path)
+    note = (
+        "Triton interpreter figures: they time the interpreter, not jaxbuf" if interpreted else ""
+    )
+    _save(plt, figure, path, note)
     return True
 
 
@@ -278,22 +364,26 @@ def _has_growth_rows(results: list[dict[str, Any]]) -> bool:
     )
 
 
-def _run_suite(suite: Any, device: Any, quick: bool, progress: Progress) -> dict[str, Any]:
+def _run_suite(
+    suite: Any, device: Any, args: argparse.Namespace, progress: Progress
+) -> dict[str, Any]:
     """Run one suite: its rows, the sizes it states, and why it was skipped or failed."""
     from jaxbuf.bench import SuiteSkipped
 
     result: dict[str, Any] = {"suite": suite, "rows": [], "sizes": None, "error": None}
+    result["interpreter"] = suite.uses_interpreter(device)
     begin = time.perf_counter()
 
     def stated(sizes: str) -> None:
         result["sizes"] = sizes
 
-    # A missing optional framework is a skip with its reason, never a traceback: checked
-    # before the suite starts (``requires``) or raised by it (``require``, SuiteSkipped).
-    result["skipped"] = suite.missing_requirement()
+    # What cannot run or means nothing here is a skip with its reason, never a traceback:
+    # checked before the suite starts (a missing framework, a GPU-only figure, interpreter
+    # figures not asked for) or raised by it (``require``, SuiteSkipped).
+    result["skipped"] = suite.skip_reason(device, interpreter=args.interpreter)
     if result["skipped"] is None:
         try:
-            for row in suite.run(device, quick, sizes=stated):
+            for row in suite.run(device, args.quick, sizes=stated):
                 result["rows"].append(row)
                 progress.describe(f"{suite.name}: {row.name}")
         except SuiteSkipped as skip:
@@ -310,7 +400,37 @@ def _suite_title(result: dict[str, Any]) -> str:
     title = f"{suite.name}: {suite.description}"
     if result["sizes"]:
         title += f" Sizes: {result['sizes']}."
+    if result["interpreter"]:
+        title += f" [{INTERPRETER_LABEL}]"
     return f"{title} ({result['seconds']:.1f} s)"
+
+
+def verdict_counts(rows: list[Any]) -> str:
+    """``"12 rows: 3 ok, 1 MISSED, 2 not judged"``: the verdicts of one suite's rows."""
+    counts = {"ok": 0, "MISSED": 0, "not judged": 0}
+    for row in rows:
+        if not row.target:
+            continue
+        judged = row.judged
+        counts["not judged" if judged is None else "ok" if judged else "MISSED"] += 1
+    words = [f"{n} {label}" for label, n in counts.items() if n]
+    text = f"{len(rows)} row{'s' if len(rows) != 1 else ''}"
+    return f"{text}: {', '.join(words)}" if words else f"{text}, no target"
+
+
+def _suite_line(index: int, total: int, result: dict[str, Any]) -> str:
+    """The line a suite prints as it ends when stdout is not a terminal."""
+    head = f"[{index}/{total}] {result['suite'].name} ({result['seconds']:.1f} s)"
+    if result["error"]:
+        return f"{head}: FAILED: {result['error']}"
+    if result["skipped"] is not None and not result["rows"]:
+        return f"{head}: skipped: {result['skipped']}"
+    text = f"{head}: {verdict_counts(result['rows'])}"
+    if result["interpreter"]:
+        text += " (Triton interpreter figures)"
+    if result["skipped"] is not None:
+        text += f"; stopped early: {result['skipped']}"
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -323,34 +443,42 @@ def run(args: argparse.Namespace) -> int:
         suites = bench.select_suites(args.only)
     except ValueError as error:
         raise CliError(one_line(error)) from None
-    if any(s.fresh_jax_allocations for s in suites):
+    runnable = [s for s in suites if s.skip_reason(device, interpreter=args.interpreter) is None]
+    if any(s.fresh_jax_allocations for s in runnable):
         # Realloc baselines reallocate to sizes never allocated before: JAX must not serve
         # them from its pool (nor keep tens of GiB pooled for the suites after them), as
         # torch's cache is emptied between samples. Set before JAX starts (no suite has run
         # yet); a user's setting wins. The JSON records it under "environment".
         os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
-        _warn_of_shared_allocator(suites)
+        _warn_of_shared_allocator(runnable)
     out = Printer()
     for module, message in bench.load_errors.items():
         print(
             f"jaxbuf: warning: benchmark module {module} failed to import: {one_line(message)}",
             file=sys.stderr,
         )
-    quick = " (quick)" if args.quick else ""
+    quick = " (quick: small sizes, targets not judged at quick sizes)" if args.quick else ""
     out.line(f"jaxbuf bench on {device}{quick}: {len(suites)} suite(s)")
+    out.line(f"Every ratio is {bench.RATIO}: below 1, jaxbuf is faster (lower is better).")
 
     started = datetime.datetime.now(datetime.timezone.utc)
     results: list[dict[str, Any]] = []
+    # On a terminal the progress bar shows what runs; in a log or a pipe, one line per suite.
+    lines_per_suite = not sys.stdout.isatty()
     progress = Progress(len(suites), "benchmarks")
     try:
-        for suite in suites:
+        for index, suite in enumerate(suites, 1):
             progress.describe(suite.name)
-            results.append(_run_suite(suite, device, args.quick, progress))
+            results.append(_run_suite(suite, device, args, progress))
             progress.advance()
+            if lines_per_suite:
+                out.line(_suite_line(index, len(suites), results[-1]), flush=True)
     finally:
         progress.close()
+    if lines_per_suite:
+        out.line()
 
-    columns = ["name", "median", "baseline", "baseline median", "speedup", "target", "notes"]
+    columns = ["name", "median", "baseline", "baseline median", RATIO_COLUMN, "target", "notes"]
     for result in results:
         name = result["suite"].name
         if result["skipped"] is not None and not result["rows"]:
@@ -372,6 +500,7 @@ def run(args: argparse.Namespace) -> int:
             "seconds": r["seconds"],
             "skipped": r["skipped"],
             "error": r["error"],
+            "interpreter": r["interpreter"] and r["skipped"] is None,
             "rows": [row.to_json() for row in r["rows"]],
         }
         for r in results
@@ -381,10 +510,11 @@ def run(args: argparse.Namespace) -> int:
         "command": ["jaxbuf", *sys.argv[1:]] if args.argv is None else ["jaxbuf", *args.argv],
         "device": str(device),
         "quick": args.quick,
+        "interpreter": args.interpreter,
         "machine": machine(),
         "versions": versions(),
         "environment": {k: v for k, v in os.environ.items() if k.startswith("XLA_PYTHON_")},
-        "speedup": "baseline_median_s / median_s",
+        "ratio": f"median_s / baseline_median_s ({bench.RATIO}, lower is better)",
         "suites": serial,
         "load_errors": dict(bench.load_errors),
     }
@@ -393,9 +523,11 @@ def run(args: argparse.Namespace) -> int:
 
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    skipped = [r["suite"].name for r in results if r["skipped"] is not None]
+    skipped = [r for r in results if r["skipped"] is not None and not r["rows"]]
     if skipped:
-        out.line(f"skipped (a dependency is missing): {', '.join(skipped)}")
+        out.line(f"skipped here ({len(skipped)} of {len(results)} suites):")
+        for r in skipped:
+            out.line(f"  {r['suite'].name}: {r['skipped']}")
     out.line(f"results: {json_path}")
     if args.plot is not None:
         present = {

@@ -43,11 +43,15 @@ class Printer:
             width = None if sys.stdout.isatty() else 160
             self.console = rich.console.Console(width=width, highlight=False)
 
-    def line(self, text: str = "") -> None:
+    def line(self, text: str = "", *, flush: bool = False) -> None:
+        """Print ``text``; ``flush``: at once, even into a pipe or a log."""
         if self.console is not None:
-            self.console.print(text, markup=False)
+            # A line is never wrapped: a log keeps one suite per line.
+            self.console.print(text, markup=False, soft_wrap=True)
+            if flush:
+                self.console.file.flush()
         else:
-            print(text)
+            print(text, flush=flush)
 
     def table(
         self,
