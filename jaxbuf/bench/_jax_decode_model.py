@@ -81,11 +81,12 @@ def _plan(device: Any, quick: bool) -> _Plan:
         if quick:
             return _Plan(16, 8, 128, 16, 512, 3, granule)
         return _Plan(32, 8, 128, 16, 2048, 8, granule)
-    # The CPU runs the attention on a couple of cores: small heads, short sequences. Every
-    # growth step is a shape compiled (twice: jaxbuf and realloc+copy), so few of them.
+    # The CPU runs the attention on a couple of cores: small heads, short sequences (the
+    # default run on the CPU stays within a minute and a half). Every growth step is a shape
+    # compiled (twice: jaxbuf and realloc+copy), so few of them.
     if quick:
         return _Plan(4, 2, 64, 16, 128, 3, granule)
-    return _Plan(8, 4, 64, 16, 512, 4, granule)
+    return _Plan(8, 4, 64, 16, 160, 4, granule)
 
 
 @dataclass

@@ -151,7 +151,7 @@ def _interleaved_per_call(
 @suite("uva.copy_to_uva")
 def copy_to_uva(device: Any, quick: bool) -> Iterator[Row | Sizes]:
     """Host time per copy_to_uva against the seed-style pool and copies."""
-    number, rounds = (50, 5) if quick else (200, 25)
+    number, rounds = (50, 5) if quick else ((200, 25) if device.is_cuda else (100, 15))
     sizes = ", ".join(format_bytes(elements * 4) for elements in _COPY_ELEMENTS)
     yield Sizes(f"{sizes} of int32 from numpy, {rounds} batches of {number} calls")
     sync = device_synchronizer(device)
