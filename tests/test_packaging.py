@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# One worker runs this module under `-n auto --dist loadgroup`: the wheel (a module fixture)
+# is built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("packaging")
 
 try:
     import tomllib
