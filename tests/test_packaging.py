@@ -165,6 +165,18 @@ def test_license_is_apache_2_0_in_full():
         assert words in text, words
 
 
+def test_license_is_an_spdx_expression_with_its_file(wheel):
+    project = _pyproject()["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    requires = _pyproject()["build-system"]["requires"]
+    assert "setuptools>=77" in requires  # the first setuptools that reads them (PEP 639)
+    names = zipfile.ZipFile(wheel).namelist()
+    metadata = next(n for n in names if n.endswith("/METADATA"))
+    text = zipfile.ZipFile(wheel).read(metadata).decode()
+    assert "\nLicense-Expression: Apache-2.0\n" in text
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+
+
 def test_metadata_names_the_project_urls():
     urls = _pyproject()["project"]["urls"]
     assert {"Homepage", "Source", "Issues", "Changelog"} <= urls.keys()
