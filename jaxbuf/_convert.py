@@ -19,7 +19,7 @@ import numpy as np
 
 from . import interop
 
-__all__ = ["convert"]
+__all__ = ["convert", "convert_any", "convert_batch"]
 
 
 def _is_float_dtype(dtype: np.dtype) -> bool:
@@ -118,3 +118,73 @@ def _convert_to_int(source: np.ndarray, dtype: np.dtype, type_name: str) -> np.n
     if bad.any():
         raise ValueError(f"value {_first_bad(bad, source)} is out of range for {type_name}")
     return wide.astype(dtype)
+
+
+def convert_any(values: Any, dtype: np.dtype, type_name: str) -> np.ndarray:
+    """:func:`convert` for any numpy dtype: the staged-write dtypes through :func:`convert`;
+    others (bool, complex) through numpy's conversion, refused where it changes a value."""
+    if dtype.kind in "iuf" or dtype.name == "bfloat16":
+        return convert(values, dtype, type_name)
+    source = np.asarray(values).reshape(-1) if np.ndim(values) <= 1 else np.asarray(values)
+    if source.ndim != 1:
+        raise ValueError(f"values must be 1-D, got shape {source.shape}")
+    converted = np.ascontiguousarray(source.astype(dtype))
+    if not np.array_equal(converted, source):
+        raise ValueError(f"values do not fit {dtype} exactly")
+    return converted
+
+
+def convert_batch(
+    values_list: Any, count: int, dtype: np.dtype, type_name: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``count`` writes of ``values_list`` (a sequence of 1-D values, or one 2-D numpy
+    array) converted by :func:`convert_any` and laid back to back, and their lengths (int64).
+
+    One numpy concatenation and one conversion when numpy's promotion of the inputs to a
+    common dtype loses nothing (then converting the whole equals converting each); else, and
+    to name the write a conversion refuses (``write i: ...``), one write at a time."""
+    if isinstance(values_list, np.ndarray) and values_list.ndim == 2:
+        lengths = np.full(count, values_list.shape[1], np.int64)
+        try:
+            return convert_any(values_list.reshape(-1), dtype, type_name), lengths
+        except (TypeError, ValueError):
+            pass  # name the write below
+    else:
+        try:
+            lengths = np.fromiter(map(len, values_list), np.int64, count)
+            flat = np.concatenate(values_list)
+        except (TypeError, ValueError):  # unsized items, scalars, mixed dimensions, ...
+            flat = None
+        if (
+            flat is not None
+            and flat.ndim == 1
+            and flat.shape[0] == lengths.sum()
+            and _promotion_lost_nothing(flat, dtype)
+        ):
+            try:
+                return convert_any(flat, dtype, type_name), lengths
+            except (TypeError, ValueError):
+                pass  # name the write below
+    arrays = []
+    for i, values in enumerate(values_list):
+        try:
+            arrays.append(convert_any(values, dtype, type_name))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"write {i}: {error}") from None
+    lengths = np.fromiter((a.shape[0] for a in arrays), np.int64, count)
+    return np.concatenate(arrays), lengths
+
+
+def _promotion_lost_nothing(flat: np.ndarray, target: np.dtype) -> bool:
+    """Whether ``flat``, numpy's concatenation of the inputs, holds their values exactly
+    enough that one conversion of it equals the conversions of each input."""
+    kind = flat.dtype.kind
+    if flat.dtype == target or kind in "iub":
+        return True  # integer promotion is exact; promotion to the target is what each does
+    if kind == "f" or flat.dtype.name == "bfloat16":
+        if target.kind == "f" or target.name == "bfloat16":
+            return True  # each input rounds to the target anyway
+        # An integer target: integers promoted to float64 are exact below 2**53.
+        with np.errstate(invalid="ignore"):
+            return bool(np.all(np.abs(flat.astype(np.float64)) < 2.0**53))
+    return False

@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -32,7 +32,21 @@ __all__ = [
     "apply_staged_writes_numpy",
     "row_segments",
     "IntsAt",
+    "StagedLaunch",
 ]
+
+
+class StagedLaunch(NamedTuple):
+    """One launch of the staged-write kernel over disjoint writes (one program per write, in
+    any order): what every launcher of an apply takes. Addresses are device-visible (device
+    memory or UVA-mapped pinned memory; host memory under the interpreter and the numpy
+    reference)."""
+
+    write_table: int  # address of the int64 [num_writes, 5] write table
+    group_table: int  # address of the int64 [G, 3] group table
+    contents: int  # address of the values' bytes (CONTENT_ALIGNMENT-aligned)
+    num_writes: int  # rows of the write table to apply
+
 
 WRITE_FIELDS = ("group", "row", "start", "content_offset", "length")
 GROUP_FIELDS = ("out_ptr", "row_stride", "elem_size")

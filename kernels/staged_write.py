@@ -32,7 +32,7 @@ from triton.runtime.jit import JITFunction
 
 from jaxbuf.drivers.base import settle_failed_launch
 
-from .reference import CONTENT_ALIGNMENT, IntsAt, address_of
+from .reference import CONTENT_ALIGNMENT, StagedLaunch, address_of
 
 __all__ = ["CompiledLauncher", "apply_staged_writes", "DEFAULT_BLOCK_SIZE"]
 
@@ -286,7 +286,7 @@ class CompiledLauncher:
     """Launches the compiled Triton kernel: directly with ``cuLaunchKernel`` where it can, else
     through Triton's launcher.
 
-    Triton compiles, once per ``serial`` value (a ``warmup``, cached here): the arguments never
+    Triton compiles the parallel kernel once (a ``warmup``, cached here): the arguments never
     change type (three int64 addresses, an int32 count, an int64 address), so launches skip
     ``kernel[grid](...)``, which re-binds and re-specialises them on every call (tens of
     microseconds). The cached kernel is then launched
@@ -303,15 +303,15 @@ class CompiledLauncher:
     ``direct=False``, or the environment variable ``JAXBUF_DIRECT_LAUNCH=0``, keeps Triton's
     launcher. Triton's launch hooks (profilers) are called on neither path.
 
-    ``launcher(write_table, group_table, contents, num_writes, serial, raw_stream, ...,
-    segments=0, num_segments=1, copy=None)`` takes device-visible int addresses and a raw
-    ``CUstream`` handle (0: the legacy default stream); it makes the device's context current
-    on the calling thread, and enqueues ``copy`` = ``(dst, src, size)`` (the staging slot's
-    device copy) on the stream before the launch. It keeps ``copy_and_launch``'s contract:
-    when it raises, nothing was launched and the copy has completed. The grid is one program
-    per write, or per segment when ``serial``. Extra positional arguments are ignored, so it
-    is interchangeable with the CPU launchers of :mod:`jaxbuf._launch`. Not thread-safe: one
-    writer drives it.
+    ``launcher(args, raw_stream, tables=None, copy=None)`` takes a :class:`StagedLaunch`
+    (device-visible addresses and the write count) and a raw ``CUstream`` handle (0: the
+    legacy default stream); it makes the device's context current on the calling thread, and
+    enqueues ``copy`` = ``(dst, src, size)`` (the staging slot's device copy) on the stream
+    before the launch. It keeps ``copy_and_launch``'s contract: when it raises, nothing was
+    launched and the copy has completed. The grid is one program per write: the writes are
+    disjoint (the kernel's ``SERIAL`` mode is :func:`apply_staged_writes`'s). ``tables`` (the
+    host views) is ignored, so it is interchangeable with the CPU launchers of the staged
+    writes. Not thread-safe: one writer drives it.
     """
 
     # Compiled with addresses past 2**32 so the address parameters are int64 whatever the
@@ -343,8 +343,9 @@ class CompiledLauncher:
         self._driver = driver
         version = _triton_version()
         self._legacy = version < (3, 3)
-        # [parallel, serial]: launch(grid, stream, wt, gt, contents, num_writes, segments)
-        self._launches: list[Any] = [None, None]
+        # launch(grid, stream, wt, gt, contents, num_writes, segments, copy=None), made on
+        # first use
+        self._launch: Any = None
         self.fallback_reason: str | None = _direct_unavailable_reason(version, driver, direct)
 
     @property
@@ -352,8 +353,8 @@ class CompiledLauncher:
         """Whether every kernel compiled so far launches with ``cuLaunchKernel``."""
         return self.fallback_reason is None
 
-    def _compile(self, serial: bool) -> Any:
-        """The compiled kernel for ``serial``, its handles loaded on this launcher's device."""
+    def _compile(self) -> Any:
+        """The compiled parallel kernel, its handles loaded on this launcher's device."""
         import torch
 
         kernel = _kernel(False)
@@ -368,7 +369,7 @@ class CompiledLauncher:
                 1 << 20,
                 address,
                 BLOCK_SIZE=self.block_size,
-                SERIAL=serial,
+                SERIAL=False,
                 grid=(1,),
             )
             if hasattr(compiled, "result"):  # an asynchronous compile
@@ -376,15 +377,15 @@ class CompiledLauncher:
             compiled._init_handles()
         return compiled
 
-    def _prepare(self, serial: bool) -> Any:
-        """The launch function for ``serial``: direct where possible (else the reason is
-        kept in :attr:`fallback_reason`)."""
+    def _prepare(self) -> Any:
+        """The launch function: direct where possible (else the reason is kept in
+        :attr:`fallback_reason`)."""
         from .cuda_launch import DirectLauncher, DirectLaunchUnavailable
 
         if self._legacy:
-            launch = self._through_apply(serial)
+            launch = self._through_apply()
         else:
-            compiled = self._compile(serial)
+            compiled = self._compile()
             launch = None
             if self.fallback_reason is None:
                 try:
@@ -393,11 +394,11 @@ class CompiledLauncher:
                 except DirectLaunchUnavailable as error:
                     self.fallback_reason = str(error)
             if launch is None:
-                launch = self._through_triton(compiled, serial)
-        self._launches[1 if serial else 0] = launch
+                launch = self._through_triton(compiled)
+        self._launch = launch
         return launch
 
-    def _through_triton(self, compiled: Any, serial: bool) -> Any:
+    def _through_triton(self, compiled: Any) -> Any:
         run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
         block_size = self.block_size
         before = self._before_launch
@@ -425,7 +426,7 @@ class CompiledLauncher:
                     num_writes,
                     segments,
                     block_size,
-                    serial,
+                    False,  # SERIAL
                 )
             except BaseException as error:
                 self._after_failed_launch(error, copy)
@@ -433,7 +434,7 @@ class CompiledLauncher:
 
         return launch
 
-    def _through_apply(self, serial: bool) -> Any:
+    def _through_apply(self) -> Any:
         block_size = self.block_size
         before = self._before_launch
 
@@ -441,15 +442,12 @@ class CompiledLauncher:
             import torch
 
             before(stream, copy)
-            bounds = IntsAt(segments, grid + 1) if serial else None
             try:
                 apply_staged_writes(
                     wt,
                     gt,
                     contents,
                     num_writes,
-                    serial=serial,
-                    segments=bounds,
                     block_size=block_size,
                     interpret=False,
                     stream=torch.cuda.ExternalStream(stream),
@@ -472,34 +470,16 @@ class CompiledLauncher:
         settle_failed_launch(self._driver, error, copy, self.device_index)
 
     def __call__(
-        self,
-        wt,
-        gt,
-        contents,
-        num_writes,
-        serial,
-        raw_stream,
-        *_host_tables,
-        segments: int = 0,
-        num_segments: int = 1,
-        copy: Any = None,
+        self, args: StagedLaunch, raw_stream: int, tables: Any = None, copy: Any = None
     ) -> None:
+        wt, gt, contents, num_writes = args
         if num_writes >= 1 << 31:
             raise ValueError(f"{num_writes} writes exceed one launch's int32 count")
-        launch = self._launches[1 if serial else 0]
+        launch = self._launch
         if launch is None:
-            launch = self._prepare(serial)
-        # One program per write; per row segment when serial. A grid of 0 launches nothing.
-        launch(
-            num_segments if serial else num_writes,
-            raw_stream,
-            wt,
-            gt,
-            contents,
-            num_writes,
-            segments,
-            copy=copy,
-        )
+            launch = self._prepare()
+        # One program per write (no segments: 0). A grid of 0 launches nothing.
+        launch(num_writes, raw_stream, wt, gt, contents, num_writes, 0, copy=copy)
 
 
 def _triton_version() -> tuple[int, int]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 from conftest import row_writes_model
@@ -389,3 +392,34 @@ def test_expand_elements_checks_its_columns():
     with pytest.raises(ValueError, match="element_cols must be a writable"):
         c_expand_elements(column, column, column, column, out[0], np.zeros(4, np.int64))
     assert out[0].tolist() == [0] * 4  # nothing written on an error
+
+
+# -- copies, context, printing ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    "make_copy",
+    [copy.copy, copy.deepcopy, lambda s: pickle.loads(pickle.dumps(s))],
+    ids=["copy", "deepcopy", "pickle"],
+)
+def test_a_copy_of_staged_writes_is_independent(make_copy):
+    staged = StagedWrites(*SHAPE, "int32")
+    staged.stage_writes([0, 0, 3], [0, 2, 4], [np.arange(4, dtype=np.int32)] * 3)
+    twin = make_copy(staged)
+    assert twin is not staged and twin.num_staged_writes == 3
+    packed_twin = twin.pack()  # clears the copy only
+    assert staged.num_staged_writes == 3 and twin.num_staged_writes == 0
+    np.testing.assert_array_equal(staged.pack().buffer, packed_twin.buffer)
+    staged.stage_write(1, 0, [9])
+    assert twin.num_staged_writes == 0  # staging the original stages nothing in the copy
+
+
+def test_staged_writes_print_and_clear_on_leaving_a_with_block():
+    with StagedWrites(2, 4, "float32") as staged:
+        staged.stage_write(1, 0, [1.0, 2.0])
+        assert repr(staged) == (
+            f"StagedWrites(num_rows=2, row_len=4, dtype=float32, staged=1, nbytes={staged.nbytes})"
+        )
+        assert staged.nbytes == 40 + 8  # one record, two float32 values
+    assert staged.num_staged_writes == 0
+    packed = pack_writes([0], [0], [[1]], "int32", shape=(2, 4))
+    assert packed.shape == (2, 4) and packed.nbytes == packed.buffer.nbytes
+    assert "shape=(2, 4)" in repr(packed)

@@ -21,7 +21,7 @@ import pytest
 
 from jaxbuf.drivers import driver_for_platform, get_vmm_driver
 from jaxbuf.drivers.base import DriverError, VmmDriver
-from jaxbuf.kernels import make_group_table, make_write_table, pack_contents
+from jaxbuf.kernels import StagedLaunch, make_group_table, make_write_table, pack_contents
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 from jaxbuf.kernels import staged_write  # noqa: E402
@@ -122,7 +122,7 @@ class RecordingDriver:
 
 def _launcher(compiled, driver, **kwargs):
     launcher = CompiledLauncher(0, driver=driver, **kwargs)
-    launcher._compile = lambda serial: compiled[bool(serial)]
+    launcher._compile = lambda: compiled[False]  # the launcher compiles the parallel kernel
     return launcher
 
 
@@ -205,7 +205,7 @@ def test_compiled_launcher_launches_directly(compiled):
     assert launcher.fallback_reason is None
     hidden = (0,) * (len(sizes) - 5)
     wt, gt, contents = 1 << 40, (1 << 40) + 4096, (1 << 41) + 8
-    launcher(wt, gt, contents, 256, False, 0x5000, None, None)
+    launcher(StagedLaunch(wt, gt, contents, 256), 0x5000, None, None)
     function, grid, block, shared, stream, args, values = driver.launches[-1]
     metadata = compiled[False].metadata
     assert function == FAKE_FUNCTION
@@ -215,19 +215,14 @@ def test_compiled_launcher_launches_directly(compiled):
     assert stream == 0x5000
     assert values == (wt, gt, contents, 256) + (0,) + hidden
     # The next launch rewrites the values in the same prepacked buffer.
-    launcher(wt + 8, gt, contents, 4096, False, 0)
+    launcher(StagedLaunch(wt + 8, gt, contents, 4096), 0)
     assert driver.launches[-1][1] == (4096, 1, 1)
     assert driver.launches[-1][5] == args
     assert driver.launches[-1][6] == (wt + 8, gt, contents, 4096, 0) + hidden
-    # Serial: one program per segment, the bounds' address passed.
-    launcher(wt, gt, contents, 300, True, 7, segments=(1 << 42), num_segments=17)
-    assert driver.launches[-1][1] == (17, 1, 1)
-    assert driver.launches[-1][6] == (wt, gt, contents, 300, 1 << 42) + hidden
-    assert driver.launches[-1][5] != args  # its own kernel, its own buffer
     assert launcher.direct and launcher.fallback_reason is None
     # Nothing to launch: no call.
     count = len(driver.launches)
-    launcher(wt, gt, contents, 0, False, 0)
+    launcher(StagedLaunch(wt, gt, contents, 0), 0)
     assert len(driver.launches) == count
 
 
@@ -270,7 +265,7 @@ def test_a_failed_launch_after_a_copy_waits_for_the_copy(compiled, direct):
     launcher = _launcher(kernels, driver)
     driver.fail_launch = True
     with pytest.raises(DriverError, match="OUT_OF_RESOURCES"):
-        launcher(1 << 40, 2 << 40, 3 << 40, 8, False, 0x77, copy=(0xD000, 0xA000, 64))
+        launcher(StagedLaunch(1 << 40, 2 << 40, 3 << 40, 8), 0x77, copy=(0xD000, 0xA000, 64))
     assert launcher.direct is direct
     assert driver.steps == [("context", 0), ("copy", 0xD000, 0xA000, 64, 0x77), ("synchronize", 0)]
     assert not driver.launches
@@ -280,8 +275,8 @@ def test_too_many_writes_is_refused_before_anything(compiled):
     driver = RecordingDriver(ptx_parameter_sizes(compiled[False].asm["ptx"]))
     launcher = _launcher(compiled, driver)
     with pytest.raises(ValueError, match="2147483648 writes"):
-        launcher(1, 2, 8, 1 << 31, False, 0)
-    assert not driver.launches and launcher._launches == [None, None]
+        launcher(StagedLaunch(1, 2, 8, 1 << 31), 0)
+    assert not driver.launches and launcher._launch is None
 
 
 @pytest.mark.parametrize(
@@ -326,7 +321,7 @@ def test_falls_back_to_tritons_launcher_with_the_reason(compiled):
     )
     driver = RecordingDriver(())
     launcher = _launcher({False: fake, True: fake}, driver)
-    launcher(10, 20, 32, 5, False, 0x77, copy=(0xD000, 0xA000, 64))
+    launcher(StagedLaunch(10, 20, 32, 5), 0x77, copy=(0xD000, 0xA000, 64))
     assert not driver.launches
     assert driver.steps == [("context", 0), ("copy", 0xD000, 0xA000, 64, 0x77)]
     assert "global_scratch_size=128" in launcher.fallback_reason and not launcher.direct
@@ -454,36 +449,31 @@ def _on_device(torch, initial, table, contents):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("serial", [False, True])
-def test_direct_launch_writes_what_tritons_launcher_writes(serial):
+def test_direct_launch_writes_what_tritons_launcher_writes():
+    # Disjoint writes: the launcher's one mode (the kernel's SERIAL mode is
+    # apply_staged_writes', tested in test_kernels.py).
     torch = pytest.importorskip("torch")
-    if serial and "SERIAL" not in staged_write._apply_staged_writes_kernel.arg_names:
-        pytest.skip("the kernel has no serial mode")
     driver = get_vmm_driver("cuda:0")
     direct = CompiledLauncher(0, driver=driver)
     through_triton = CompiledLauncher(0, driver=driver, direct=False)
     rng = np.random.default_rng(11)
     stream = torch.cuda.current_stream().cuda_stream
     for trial in range(20):
-        initial, models, table, contents, segments = _random_batch(rng, serial)
+        initial, models, table, contents, _ = _random_batch(rng, serial=False)
         results = []
         for launcher in (direct, through_triton):
             targets, group_table, write_table, device_contents = _on_device(
                 torch, initial, table, contents
             )
-            bounds = torch.from_numpy(segments).cuda() if serial else None
             torch.cuda.synchronize()
             driver.ensure_context(0)
-            launcher(
+            launch = StagedLaunch(
                 write_table.data_ptr(),
                 group_table.data_ptr(),
                 device_contents.data_ptr(),
                 len(table),
-                serial,
-                stream,
-                segments=bounds.data_ptr() if serial else 0,
-                num_segments=len(segments) - 1 if serial else 1,
             )
+            launcher(launch, stream)
             torch.cuda.synchronize()
             results.append([t.cpu().numpy() for t in targets])
         assert direct.fallback_reason is None, direct.fallback_reason
@@ -501,11 +491,12 @@ def test_direct_launch_is_not_slower_than_tritons():
     targets, group_table, write_table, device_contents = _on_device(torch, initial, table, contents)
     stream = torch.cuda.current_stream().cuda_stream
     args = (
-        write_table.data_ptr(),
-        group_table.data_ptr(),
-        device_contents.data_ptr(),
-        len(table),
-        False,
+        StagedLaunch(
+            write_table.data_ptr(),
+            group_table.data_ptr(),
+            device_contents.data_ptr(),
+            len(table),
+        ),
         stream,
     )
     medians = {}

@@ -340,7 +340,7 @@ def _launch_row(device: Any, quick: bool) -> Row:
     import torch
 
     from jaxbuf.drivers import get_vmm_driver
-    from jaxbuf.kernels import make_group_table, make_write_table
+    from jaxbuf.kernels import StagedLaunch, make_group_table, make_write_table
     from jaxbuf.kernels.staged_write import CompiledLauncher
 
     num_writes = 256
@@ -367,7 +367,7 @@ def _launch_row(device: Any, quick: bool) -> Row:
     ]
     driver = get_vmm_driver(device)
     stream = torch.cuda.current_stream(device.index).cuda_stream
-    args = (*(a.data_ptr() for a in on_device), num_writes, False, stream)
+    args = (StagedLaunch(*(a.data_ptr() for a in on_device), num_writes), stream)
     sync = lambda: torch.cuda.synchronize(device.index)  # noqa: E731
     medians = {}
     reason = None

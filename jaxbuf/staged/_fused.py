@@ -17,12 +17,13 @@ several :class:`~jaxbuf.staged.StagedWriteTensor` into one launch. An apply:
    on a stream, followed by an event that becomes every written tensor's ready event and
    guards the slot; on the CPU to completion.
 
-A writer (with its packer) sees a tensor only through ``tensor._staging``, the tensor's
-:class:`~jaxbuf._staging_host.StagingState`.
+A writer (with its packer) sees a tensor only through ``tensor.staging``, the tensor's
+:class:`~jaxbuf.staged._host.StagingState`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +34,9 @@ from .._checks import as_int as as_index
 from .._errors import Cleanup, attempt
 from .._lifetime import release_when_collected
 from .._resolve import resolve
+from ..devices import Device
 from ..drivers.base import VmmDriver
+from ..kernels.reference import StagedLaunch
 from ._host import (
     GROUP_FIELDS,
     WRITE_FIELDS,
@@ -48,6 +51,9 @@ from ._packing import new_packer
 __all__ = ["FusedStagedWriter"]
 
 _MAX_CACHED_LAYOUTS = 64
+# StagedLaunch's fields without its Python-level __new__: the apply builds one per call, and
+# tuple.__new__ over a literal costs less than the tuple it replaced did to unpack.
+_new_launch = tuple.__new__
 #: On CUDA an apply that packs at least this many bytes is first copied into device memory by
 #: one ``cuMemcpyAsync`` on the launch stream, and the kernel reads that copy: its programs
 #: then read device memory instead of making dependent reads of pinned host memory across
@@ -121,9 +127,12 @@ class FusedStagedWriter:
 
     Parameters
     ----------
-    device : device spec
     max_writes : int
         Writes per apply the slots are first sized for (they grow beyond).
+    device : device spec, optional
+        Default: :func:`jaxbuf.default_device`. The order was ``(device, max_writes)`` before;
+        a call in that order whose first argument is not an integer (``"cuda"``, a
+        ``Device``, a ``torch.device``) still works, with a ``DeprecationWarning``.
     max_concurrency : int, optional
         Number of staging slots; default 2.
     backend : {"triton", "numpy"}
@@ -132,23 +141,44 @@ class FusedStagedWriter:
         never chosen silently.
     guarded : bool
     driver : VmmDriver, optional
+    device_copy_min_bytes : int or None
+        CUDA: an apply that packs at least this many bytes is copied to device memory first
+        (default :data:`DEVICE_COPY_MIN_BYTES`: every apply); None reads every slot in place.
     """
 
     def __init__(
         self,
-        device: Any,
         max_writes: int,
+        device: Any = None,
         max_concurrency: int | None = None,
         *,
         backend: str = "triton",
         guarded: bool = True,
         driver: VmmDriver | None = None,
+        device_copy_min_bytes: int | None = DEVICE_COPY_MIN_BYTES,
     ) -> None:
         self._slots: list[_Slot] = []
         self._closed = True
+        if _is_device_like(max_writes) and not _is_device_like(device) and device is not None:
+            warnings.warn(
+                "FusedStagedWriter(device, max_writes, ...) is deprecated: the order is "
+                "FusedStagedWriter(max_writes, device=..., max_concurrency=...)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            max_writes, device = device, max_writes
         max_writes = as_index(max_writes, "max_writes")
         if not 1 <= max_writes < 1 << 31:  # one launch counts its writes in int32
-            raise ValueError(f"max_writes must be in [1, 2**31), got {max_writes}")
+            raise ValueError(
+                f"max_writes must be in [1, 2**31), got {max_writes} (the arguments are "
+                "(max_writes, device=..., max_concurrency=...))"
+            )
+        if device_copy_min_bytes is not None:
+            device_copy_min_bytes = as_index(device_copy_min_bytes, "device_copy_min_bytes")
+            if device_copy_min_bytes < 0:
+                raise ValueError(
+                    f"device_copy_min_bytes must be >= 0 or None, got {device_copy_min_bytes}"
+                )
         max_concurrency = check_max_concurrency(max_concurrency)
         device, driver = resolve(device, driver)
         self.backend = check_backend(backend, device)
@@ -169,7 +199,7 @@ class FusedStagedWriter:
         self._launch = make_launcher(self.backend, device, driver)
         self._submit = self._submit_on_stream if device.is_cuda else self._submit_now
         copies = device.is_cuda and type(driver).copy_on_stream is not VmmDriver.copy_on_stream
-        self._device_copy_min = DEVICE_COPY_MIN_BYTES if copies else None
+        self._device_copy_min = device_copy_min_bytes if copies else None
         self._closed = False
 
     # -- the hot path ------------------------------------------------------------------------
@@ -193,22 +223,24 @@ class FusedStagedWriter:
         two overlap the later wins. A tensor's staged writes are cleared only once the launch
         was enqueued. A freed tensor among ``tensors`` raises
         :class:`~jaxbuf.staged.FreedError` (a ``RuntimeError``) and nothing is applied, unless
-        nothing at all is staged.
+        nothing at all is staged. ``tensors`` may be any iterable (a generator is read once);
+        anything in it that is not a ``StagedWriteTensor`` (a JAX ``StagedWrites`` included:
+        apply those with ``jaxbuf.jax_ops.apply_staged_writes``) is a ``TypeError``.
         """
         if (output_ptrs is None) != (output_strides is None):
             raise ValueError("output_ptrs and output_strides go together; pass both or neither")
+        if type(tensors) is not list and type(tensors) is not tuple:
+            tensors = _as_sequence(tensors)  # a generator is read once, here
         try:
-            staged_bytes = [len(t._staging.records) for t in tensors]
-        except (AttributeError, TypeError):
-            raise TypeError(
-                f"tensors must be a sequence of StagedWriteTensor, got {tensors!r}"
-            ) from None
+            staged_bytes = [len(t.staging.records) for t in tensors]
+        except AttributeError:
+            raise _not_tensors(tensors) from None
         if not sum(staged_bytes):
             return
         if self._closed:
             raise FreedError("the FusedStagedWriter is closed")
         if output_ptrs is None:
-            key = tuple([t._staging.group_entry for t in tensors])
+            key = tuple([t.staging.group_entry for t in tensors])
         else:
             key = self._external_key(tensors, output_ptrs, output_strides)
         layout = self._layouts.get(key)
@@ -238,28 +270,23 @@ class FusedStagedWriter:
             copy = (self._device_copy(slot), ptr, total)
             ptr = copy[0]
         # The table is resolved (no two entries overlap): always the parallel launch.
-        launch_args = (
-            ptr + num_groups * GROUP_FIELDS * 8,
-            ptr,
-            ptr + contents_start,
-            num_writes,
-            False,
+        launch = _new_launch(
+            StagedLaunch,
+            (ptr + num_groups * GROUP_FIELDS * 8, ptr, ptr + contents_start, num_writes),
         )
-        self._submit(tensors, staged_bytes, i, launch_args, stream, copy)
+        self._submit(tensors, staged_bytes, i, launch, stream, copy)
 
     def _submit_now(
         self,
         tensors: Sequence[Any],
         staged_bytes: Sequence[int],
         i: int,
-        launch_args: tuple,
+        launch: StagedLaunch,
         stream: Any,
         copy: Any = None,
     ) -> None:
         """The CPU: the launch runs to completion here; no stream, no event (no copy)."""
-        num_groups, num_writes = len(staged_bytes), launch_args[3]
-        tables = self._tables(i, num_groups, num_writes)
-        self._launch(*launch_args, 0, *tables)
+        self._launch(launch, 0, self._tables(i, len(staged_bytes), launch.num_writes))
         self._clear()
 
     def _submit_on_stream(
@@ -267,7 +294,7 @@ class FusedStagedWriter:
         tensors: Sequence[Any],
         staged_bytes: Sequence[int],
         i: int,
-        launch_args: tuple,
+        launch: StagedLaunch,
         stream: Any,
         copy: Any = None,
     ) -> None:
@@ -279,13 +306,13 @@ class FusedStagedWriter:
         dlpack_stream = raw or 1  # DLPack and CUDA agree on 1 (legacy) and 2
         # A tensor last written on another stream: order this launch after those writes.
         for t in tensors:
-            applied = t._staging.applied
+            applied = t.staging.applied
             if applied is not None and applied.stream != dlpack_stream:
                 driver.stream_wait_event(dlpack_stream, applied.handle, index)
         # The launcher makes the device's context current (a fresh thread has none) and
         # enqueues the copy before the launch: one C call (driver.copy_and_launch). When it
         # raises, nothing was launched and the copy is done: the writes stay staged.
-        self._launch(*launch_args, raw, None, None, copy=copy)
+        self._launch(launch, raw, None, copy)
         # Enqueued: the writes are applied whatever fails next, so no longer staged.
         self._clear()
         try:
@@ -297,14 +324,14 @@ class FusedStagedWriter:
         self._slots[i].event = event
         for t, n in zip(tensors, staged_bytes):
             if n:
-                t._staging.applied = event
+                t.staging.applied = event
 
     def _synchronize_without_event(self, tensors: Sequence[Any], error: BaseException) -> None:
         """The launch is enqueued but its event could not be recorded. With no event to wait
         on, the device is synchronized here so that the slot and the targets are safe to
         reuse; ``error`` gets notes saying so."""
         for t in tensors:
-            t._staging.applied = None
+            t.staging.applied = None
         what = "synchronizing after the failed event record"
         attempt(error, what, self._driver.synchronize, self.device.index)
         error.add_note("the staged writes were launched and are applied; they are no longer staged")
@@ -367,7 +394,7 @@ class FusedStagedWriter:
             )
         entries = []
         for t, ptr, stride in zip(tensors, ptrs, strides):
-            entry = t._staging.group_entry
+            entry = t.staging.group_entry
             if entry is None:
                 raise FreedError(f"{t!r} is freed")
             if ptr % entry[2] or stride < 0:
@@ -380,9 +407,9 @@ class FusedStagedWriter:
     def _new_layout(self, tensors: Sequence[Any], key: tuple) -> _Layout:
         seen = set()
         for t in tensors:
-            state = t._staging
+            state = t.staging
             if not isinstance(state, StagingState):
-                raise TypeError(f"tensors must be StagedWriteTensor, got {type(t).__name__}")
+                raise _not_tensors([t])
             if state.group_entry is None:
                 raise FreedError(f"{t!r} is freed")
             if t.device != self.device:
@@ -428,6 +455,22 @@ class FusedStagedWriter:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def nbytes(self) -> int:
+        """The pinned staging bytes the slots hold now (0 before the first apply)."""
+        return sum(slot.capacity for slot in self._slots)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"nbytes={self.nbytes}"
+        return (
+            f"FusedStagedWriter(max_writes={self.max_writes}, device={self.device}, "
+            f"max_concurrency={self.max_concurrency}, backend={self.backend!r}, {state})"
+        )
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
             "a FusedStagedWriter cannot be pickled or copied: its staging slots are pinned "
@@ -438,6 +481,38 @@ class FusedStagedWriter:
     def __del__(self, _release: Any = release_when_collected) -> None:
         if not getattr(self, "_closed", True):
             _release(self.close, "a FusedStagedWriter")
+
+
+def _is_device_like(value: Any) -> bool:
+    """Whether ``value`` can only be a device spec, never a write count: a string, a
+    :class:`~jaxbuf.Device`, or a framework's device object (``torch.device``, a JAX
+    device). Integers are write counts (the current argument order)."""
+    if isinstance(value, (str, Device)):
+        return True
+    if isinstance(value, (int, np.integer)) or value is None:
+        return False
+    return hasattr(value, "platform") or hasattr(value, "type")
+
+
+def _as_sequence(tensors: Any) -> tuple:
+    """``tensors`` (an iterable other than a list or tuple) as a tuple, read once."""
+    if isinstance(tensors, (str, bytes)) or not hasattr(tensors, "__iter__"):
+        raise _not_tensors(tensors)
+    return tuple(tensors)
+
+
+def _not_tensors(tensors: Any) -> TypeError:
+    """The TypeError for ``tensors`` that are not all StagedWriteTensor, naming the first
+    item that is not one."""
+    bad = tensors
+    if isinstance(tensors, (list, tuple)):
+        bad = next((t for t in tensors if not hasattr(t, "staging")), tensors)
+    hint = ""
+    if type(bad).__name__ == "StagedWrites":
+        hint = "; a JAX StagedWrites is applied with jaxbuf.jax_ops.apply_staged_writes"
+    return TypeError(
+        f"tensors must be an iterable of StagedWriteTensor, got {type(bad).__name__}{hint}"
+    )
 
 
 def _host_ints(values: Any) -> list:

@@ -120,7 +120,7 @@ class StagingState:
     """A tensor's staged writes, and everything a writer may know of the tensor.
 
     This object is the whole interface between a ``StagedWriteTensor`` and the
-    ``FusedStagedWriter`` that applies it (the tensor exposes it as ``_staging``; a writer
+    ``FusedStagedWriter`` that applies it (the tensor exposes it as ``staging``; a writer
     touches nothing else of it). A writer reads ``records``, ``contents``, ``stager`` and
     ``group_entry``, clears the staged writes once its launch is enqueued (:meth:`clear`, or
     ``jaxbuf._staging.clear`` over the stagers), and sets ``applied``.

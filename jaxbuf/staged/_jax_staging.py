@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import as_count, as_int, as_optional_bool
-from .._convert import convert
+from .._convert import convert_any, convert_batch
 from ..dtypes import canonical_dtype
 from ._host import StagingState, pack_record
 from ._jax_pack import Packer, PackPlan, plan_pack, write_pack
@@ -111,9 +111,51 @@ class StagedWrites:
         """Writes staged since the last :meth:`pack` / :meth:`clear` (empty ones excluded)."""
         return self._staging.num_writes
 
+    @property
+    def nbytes(self) -> int:
+        """The host bytes the staged writes take (their records and values)."""
+        return len(self._staging.records) + len(self._staging.contents)
+
     def clear(self) -> None:
         """Drop every staged write."""
         self._staging.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"StagedWrites(num_rows={self.num_rows}, row_len={self.row_len}, "
+            f"dtype={self.dtype}, staged={self.num_staged_writes}, nbytes={self.nbytes})"
+        )
+
+    def __enter__(self) -> StagedWrites:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Leaving a ``with`` block drops what is still staged (nothing is applied)."""
+        self.clear()
+
+    # A copy is independent: its own stager over copies of the staged bytes (a shared stager
+    # would let packing the copy clear the original). deepcopy and pickle make the same copy.
+    def __copy__(self) -> StagedWrites:
+        return _restore(*self._state())
+
+    def __deepcopy__(self, memo: dict) -> StagedWrites:
+        return self.__copy__()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return _restore, self._state()
+
+    def _state(self) -> tuple:
+        staging = self._staging
+        return (
+            self.num_rows,
+            self.row_len,
+            self.dtype.name,
+            self.min_write_bucket,
+            self.min_content_bucket,
+            self._shape_known,
+            bytes(staging.records),
+            bytes(staging.contents),
+        )
 
     # -- staging -----------------------------------------------------------------------------
     def stage_write(self, row: int, start: int, values: Any) -> None:
@@ -184,69 +226,11 @@ class StagedWrites:
 
     def _convert(self, values: Any) -> np.ndarray:
         """``values`` as a C-contiguous 1-D array of the target dtype (or the error why not)."""
-        dtype = self._np_dtype
-        if dtype.kind in "iuf" or dtype.name == "bfloat16":
-            return convert(values, dtype, self.dtype.name)
-        # Other dtypes (bool, complex): numpy's conversion, refused where it changes a value.
-        source = np.asarray(values).reshape(-1) if np.ndim(values) <= 1 else np.asarray(values)
-        if source.ndim != 1:
-            raise ValueError(f"values must be 1-D, got shape {source.shape}")
-        converted = np.ascontiguousarray(source.astype(dtype))
-        if not np.array_equal(converted, source):
-            raise ValueError(f"values do not fit {dtype} exactly")
-        return converted
+        return convert_any(values, self._np_dtype, self.dtype.name)
 
     def _flatten(self, values_list: Any, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every write's values back to back, converted, and their lengths (int64).
-
-        One numpy concatenation and one conversion when numpy's promotion of the inputs to a
-        common dtype loses nothing (then converting the whole equals converting each); else,
-        and to name the write a conversion refuses, one write at a time."""
-        if isinstance(values_list, np.ndarray) and values_list.ndim == 2:
-            lengths = np.full(count, values_list.shape[1], np.int64)
-            try:
-                return self._convert(values_list.reshape(-1)), lengths
-            except (TypeError, ValueError):
-                pass  # name the write below
-        else:
-            try:
-                lengths = np.fromiter(map(len, values_list), np.int64, count)
-                flat = np.concatenate(values_list)
-            except (TypeError, ValueError):  # unsized items, scalars, mixed dimensions, ...
-                flat = None
-            if (
-                flat is not None
-                and flat.ndim == 1
-                and flat.shape[0] == lengths.sum()
-                and self._promotion_lost_nothing(flat)
-            ):
-                try:
-                    return self._convert(flat), lengths
-                except (TypeError, ValueError):
-                    pass  # name the write below
-        arrays = []
-        for i, values in enumerate(values_list):
-            try:
-                arrays.append(self._convert(values))
-            except (TypeError, ValueError) as error:
-                raise type(error)(f"write {i}: {error}") from None
-        lengths = np.fromiter((a.shape[0] for a in arrays), np.int64, count)
-        return np.concatenate(arrays), lengths
-
-    def _promotion_lost_nothing(self, flat: np.ndarray) -> bool:
-        """Whether ``flat``, numpy's concatenation of the inputs, holds their values exactly
-        enough that one conversion of it equals the conversions of each input."""
-        kind = flat.dtype.kind
-        if flat.dtype == self._np_dtype or kind in "iub":
-            return True  # integer promotion is exact; promotion to the target is what each does
-        if kind == "f" or flat.dtype.name == "bfloat16":
-            target = self._np_dtype
-            if target.kind == "f" or target.name == "bfloat16":
-                return True  # each input rounds to the target anyway
-            # An integer target: integers promoted to float64 are exact below 2**53.
-            with np.errstate(invalid="ignore"):
-                return bool(np.all(np.abs(flat.astype(np.float64)) < 2.0**53))
-        return False
+        """Every write's values back to back, converted, and their lengths (int64)."""
+        return convert_batch(values_list, count, self._np_dtype, self.dtype.name)
 
     def _bounds_error(self, row: int, start: int, length: int, index: int | None = None):
         where = "" if index is None else f"write {index} "
@@ -384,4 +368,24 @@ def new_staged_writes(
         min_content_bucket=min_content_bucket,
     )
     staged._shape_known = shape_known
+    return staged
+
+
+def _restore(
+    num_rows: int,
+    row_len: int,
+    dtype: str,
+    min_write_bucket: int,
+    min_content_bucket: int,
+    shape_known: bool,
+    records: bytes,
+    contents: bytes,
+) -> StagedWrites:
+    """A StagedWrites with these staged bytes (what copy and pickle make); the C stager
+    indexes records appended to its buffer when it next resolves them."""
+    staged = new_staged_writes(
+        num_rows, row_len, dtype, min_write_bucket, min_content_bucket, shape_known
+    )
+    staged._staging.records.extend(records)
+    staged._staging.contents.extend(contents)
     return staged

@@ -1,10 +1,13 @@
 """Launching a packed apply: the three kernel launchers, the stream, and the applied event.
 
-A :class:`~jaxbuf.fused.FusedStagedWriter` picks one launcher when it is made
-(:func:`make_launcher`); every launcher has the one signature::
+A :class:`~jaxbuf.FusedStagedWriter` picks one launcher when it is made (:func:`make_launcher`);
+every launcher has the one signature::
 
-    launch(write_table_addr, group_table_addr, contents_addr, num_writes, serial, raw_stream,
-           write_table_np, group_table_np, segments=0, num_segments=0, copy=None)
+    launch(args: StagedLaunch, raw_stream: int, tables=None, copy=None)
+
+``args`` is a :class:`jaxbuf.kernels.StagedLaunch` (the device-visible addresses of the write
+table, the group table and the values, and the write count); ``tables`` the numpy views of the
+two tables, which only the host launchers read.
 
 * ``numpy``: :func:`jaxbuf.kernels.apply_staged_writes_numpy` on the host tables (CPU only,
   chosen explicitly with ``backend="numpy"``);
@@ -16,15 +19,11 @@ A :class:`~jaxbuf.fused.FusedStagedWriter` picks one launcher when it is made
   is unavailable (its ``fallback_reason`` says why). ``copy`` is CUDA's only; the host
   launchers never get one.
 
-The tables live in a pinned slot the device reads in place, so launchers get device-visible
-addresses; the host launchers also get numpy views of the same tables.
-
-``serial``, ``segments`` and ``num_segments`` are always ``False``, ``0`` and ``0`` from
-:mod:`jaxbuf.fused`: the C stager resolves overlapping writes when the tables are packed
-(later wins, the earlier writes trimmed to their visible pieces), so the writes of one launch
-are pairwise disjoint and run fully parallel, in any order. The arguments remain for the
-kernel's ``SERIAL`` mode (:func:`jaxbuf.kernels.apply_staged_writes`), which applies the
-writes of each row segment in table order; nothing in the apply path asks for it.
+Every launch is parallel, one program per write: the C stager resolves overlapping writes when
+the tables are packed (later wins, the earlier writes trimmed to their visible pieces), so the
+writes of one launch are pairwise disjoint and run in any order. The kernel's ``SERIAL`` mode
+(:func:`jaxbuf.kernels.apply_staged_writes` with ``serial=True``) stays with the kernel, for
+the baseline that measures the overlap handling before resolution.
 """
 
 from __future__ import annotations
@@ -50,47 +49,20 @@ def make_launcher(backend: str, device: Device, driver: VmmDriver | None = None)
     if backend == "numpy":
         from ..kernels import apply_staged_writes_numpy
 
-        def launch_numpy(
-            wt,
-            gt,
-            contents,
-            num_writes,
-            serial,
-            raw_stream,
-            wt_np,
-            gt_np,
-            segments=0,
-            num_segments=0,
-            copy=None,
-        ):
-            # The table is resolved (disjoint writes), so the order is moot; serial is unused.
-            apply_staged_writes_numpy(wt_np, gt_np, contents, num_writes)
+        def launch_numpy(args, raw_stream, tables=None, copy=None):
+            apply_staged_writes_numpy(tables[0], tables[1], args.contents, args.num_writes)
 
         return launch_numpy
     if not device.is_cuda:
-        from ..kernels import IntsAt, apply_staged_writes
+        from ..kernels import apply_staged_writes
 
-        def launch_interpreted(
-            wt,
-            gt,
-            contents,
-            num_writes,
-            serial,
-            raw_stream,
-            wt_np,
-            gt_np,
-            segments=0,
-            num_segments=0,
-            copy=None,
-        ):
-            bounds = IntsAt(segments, num_segments + 1) if serial else None
+        def launch_interpreted(args, raw_stream, tables=None, copy=None):
+            write_table, group_table, contents, num_writes = args
             apply_staged_writes(
-                wt,
-                gt,
+                write_table,
+                group_table,
                 contents,
                 num_writes,
-                serial=serial,
-                segments=bounds,
                 block_size=BLOCK_SIZE,
                 interpret=True,
             )

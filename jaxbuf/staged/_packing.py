@@ -20,8 +20,8 @@ A packer allocates nothing: when the slot is too small ``pack`` writes nothing a
 size, and the writer grows the slot and packs again. Once the launch is enqueued the writer
 calls ``clear``, which drops the staged writes that the last ``pack`` laid out.
 
-A packer gets the tensors of an apply and sees each only through ``tensor._staging`` (its
-:class:`~jaxbuf._staging_host.StagingState`), a slot only through ``host`` (its host address),
+A packer gets the tensors of an apply and sees each only through ``tensor.staging`` (its
+:class:`~jaxbuf.staged._host.StagingState`), a slot only through ``host`` (its host address),
 ``capacity`` (bytes) and ``i64`` (an int64 numpy view of it), and the layout through its group
 table and item sizes (``jaxbuf.fused._Layout``).
 """
@@ -53,7 +53,7 @@ class CPacker:
         """Fill ``slot``; ``(num_writes, contents_start, total_bytes)``, ``num_writes`` the
         resolved entries. Nothing is written when ``total_bytes > slot.capacity``: grow the
         slot and pack again."""
-        stagers = self._stagers = [t._staging.stager for t in tensors]
+        stagers = self._stagers = [t.staging.stager for t in tensors]
         return c_pack(stagers, layout.group_bytes, slot.host, slot.capacity)
 
     def clear(self) -> None:
@@ -73,7 +73,7 @@ class NumpyPacker:
     def pack(
         self, tensors: Sequence[Any], staged_bytes: Sequence[int], layout: Any, slot: Any
     ) -> tuple[int, int, int]:
-        states = [t._staging for t in tensors]
+        states = [t.staging for t in tensors]
         num_groups = len(states)
         bases, contents_bytes = _content_bases(states, layout)
         staged = _staged_table(states, staged_bytes, layout, bases)

@@ -117,6 +117,10 @@ class StagedWriteTensor:
     Thread-safety: one tensor is not thread-safe (one thread stages and applies it); separate
     tensors may be staged from separate threads.
 
+    ``staging`` is the :class:`~jaxbuf.staged._host.StagingState` of the tensor: the one
+    object a writer (:class:`FusedStagedWriter`, its packer) reads or changes, never the
+    tensor's own attributes. It is the writers' contract, not for user code.
+
     Parameters
     ----------
     size : int or (int, int)
@@ -142,7 +146,7 @@ class StagedWriteTensor:
         "uva_instead_of_gpu",
         "_driver",
         "_np_dtype",
-        "_staging",
+        "staging",
         "_stage_record",
         "_stage_contents",
         "_stage_fast",
@@ -189,7 +193,7 @@ class StagedWriteTensor:
         self._code = code
         self._pack = struct.Struct(code).pack if code is not None else None
         self._packers: dict[int, Any] = {}
-        staging = self._staging = StagingState(num_rows, row_len, self._np_dtype)
+        staging = self.staging = StagingState(num_rows, row_len, self._np_dtype)
         # Bound once: staging clears these buffers in place, and a call through a bound method
         # skips two attribute lookups on the hot path.
         self._stage_record = staging.records.extend
@@ -317,11 +321,16 @@ class StagedWriteTensor:
 
     def clear_staged_writes(self) -> None:
         """Drop every write staged since the last apply."""
-        self._staging.clear()
+        self.staging.clear()
 
     @property
     def num_staged_writes(self) -> int:
-        return len(self._staging.records) // RECORD_BYTES
+        return len(self.staging.records) // RECORD_BYTES
+
+    @property
+    def nbytes(self) -> int:
+        """The target's size in bytes (``num_rows * row_len * itemsize``; 0 once freed)."""
+        return self.num_rows * self.row_len * self.dtype.itemsize
 
     # -- applying --------------------------------------------------------------------------
     def apply_write(self, stream: Any = None) -> None:
@@ -329,18 +338,21 @@ class StagedWriteTensor:
 
         Uses the tensor's own writer (made on first use), whose ``max_concurrency`` staging
         slots bound how many applies may be in flight; with the default guard the host waits
-        rather than overwrite a slot the device still reads. :class:`FreedError` once the
-        tensor is freed (its staged writes were dropped by ``free()``).
+        rather than overwrite a slot the device still reads. Its slots are sized for the
+        writes staged, and grow to the next power of two when an apply needs more (never for
+        the whole target: one write to a tall tensor stages a few bytes).
+        :class:`FreedError` once the tensor is freed (its staged writes were dropped by
+        ``free()``).
         """
         if self._lifetime.anchor is None:
             raise self._freed_error("apply writes")
-        if not self._staging.records:
+        if not self.staging.records:
             return
         writer = self._writer
         if writer is None:
             writer = self._writer = FusedStagedWriter(
+                self.num_staged_writes,
                 self.device,
-                max(self.num_rows, 1),
                 self.max_concurrency,
                 backend=self.backend,
                 driver=self._driver,
@@ -355,7 +367,7 @@ class StagedWriteTensor:
     @property
     def ready_event(self) -> Any:
         """The event after the last applied writes (a consumer stream waits on it)."""
-        applied = self._staging.applied
+        applied = self.staging.applied
         return None if applied is None else applied.handle
 
     def check_exportable(self) -> None:
@@ -418,7 +430,7 @@ class StagedWriteTensor:
         if lifetime is None:  # the constructor failed; its parts free themselves
             return
         if not lifetime.closed:
-            self._staging.close()
+            self.staging.close()
             self.num_rows = 0  # every later stage_write fails its bounds check (and says why)
             if lifetime.close(self._release):
                 return
@@ -432,7 +444,7 @@ class StagedWriteTensor:
         after the frameworks' pending work on the device (None: the exports' to release).
         Each part is dropped only once it is freed: after a driver error, ``free()`` again
         frees what is left."""
-        staging = self._staging
+        staging = self.staging
         applied = staging.applied
         if applied is not None:
             applied.wait()  # raising here releases nothing: the device may still write

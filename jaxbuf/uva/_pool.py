@@ -434,6 +434,25 @@ class UvaBufferPool:
         return self._buffer_cls
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the slots hold now (each grows past ``size`` when a copy needs it)."""
+        return sum(slot.nbytes for slot in getattr(self, "_slots", ()))
+
+    def __repr__(self) -> str:
+        if getattr(self, "_slots", None) is None:
+            return "<UvaBufferPool: construction failed>"
+        state = "closed" if self._closed else f"nbytes={self.nbytes}"
+        return (
+            f"UvaBufferPool(size={self.size}, dtype={self.dtype}, device={self.device}, "
+            f"max_concurrency={self.max_concurrency}, buffer_cls={self._buffer_cls.__name__}, "
+            f"{state})"
+        )
+
+    @property
     def slots(self) -> tuple[Any, ...]:
         """The slot buffers (for inspection and benchmarks; do not free them)."""
         return tuple(self._slots)
