@@ -5,7 +5,7 @@ Everything else is configured in pyproject.toml. The capsule deleter must be C b
 on any thread (JAX calls it from its own) and possibly during interpreter shutdown, where it
 must not touch Python; telling whether the interpreter is finalizing needs ``_Py_IsFinalizing``
 before 3.13, outside the limited API, so ``jaxbuf._capsule`` is built per Python version (see
-jaxbuf/_capsule.c). ``jaxbuf._staging`` is optional (staged.py falls back to Python without
+jaxbuf/_capsule.c). ``jaxbuf._staging`` is optional (jaxbuf.staged falls back to Python without
 it); it needs the buffer protocol, outside the 3.10 limited API, and numpy's C API (built
 against numpy 2, which runs with every numpy jaxbuf supports). ``jaxbuf.drivers._cuda_calls``
 (optional) makes the CUDA driver's hot calls through pointers the driver hands it; it links

@@ -4,12 +4,12 @@
  * values' raw bytes) and its bounds. Stager.stage(row, start, values) stages the write and
  * returns True when everything is plain: row and start exact ints, values a C-contiguous 1-D
  * buffer whose format is the target's, the write in bounds. Otherwise it stages nothing and
- * returns False, and the Python path (StagedWriteTensor.stage_write in jaxbuf/staged.py, with
- * jaxbuf/_staging_host.py) converts, validates and raises the precise error. So this file
+ * returns False, and the Python path (StagedWriteTensor.stage_write in jaxbuf/staged/_tensor.py,
+ * with jaxbuf/_convert.py) converts, validates and raises the precise error. So this file
  * decides nothing the Python path does not also decide; it only saves the interpreter's time on
  * the common case (a numpy array of the right dtype), which vLLM-style loops call hundreds of
  * times per step. For whole batches, all or nothing, the JAX staging object
- * (jaxbuf/kernels/jax_staged.py) has Stager.stage_many(rows, starts, values_list) (Python lists
+ * (jaxbuf/staged/_jax_staging.py) has Stager.stage_many(rows, starts, values_list) (Python lists
  * of plain writes, in one C loop) and Stager.stage_columns(rows, starts, lengths, contents)
  * (int64 columns and the values' bytes, converted by numpy).
  *

@@ -41,7 +41,7 @@ _COMPILE_LOCK = threading.Lock()
 
 
 def copy_elements(dst, src, length, BLOCK_SIZE: tl.constexpr):
-    # The body the torch kernel below and the JAX one (jaxbuf.kernels.jax_triton_apply) share:
+    # The body the torch kernel below and the JAX one (jaxbuf.kernels.packed_write) share:
     # copy ``length`` elements from typed pointer ``src`` to ``dst`` (same element type), one
     # masked block at a time; a length <= 0 copies nothing. Triton inlines it into each caller.
     # `while` rather than `for ... in range(...)`: Triton 3.6's interpreter turns a tensor loop

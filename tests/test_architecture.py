@@ -179,6 +179,7 @@ OWNERS = (
     "jaxbuf.interop",
     "jaxbuf.sharing",
     "jaxbuf.sharding",
+    "jaxbuf.transfer",
     "jaxbuf.jax_ops",
     "jaxbuf.fused",
     "jaxbuf._reservation",

@@ -8,11 +8,11 @@ several :class:`~jaxbuf.staged.StagedWriteTensor` into one launch. An apply:
 2. takes the next of ``max_concurrency`` pinned (UVA) staging *slots*, waiting (when guarded)
    until the device is done reading its previous apply;
 3. *packs* the tables and values there with the packer chosen at construction
-   (:mod:`jaxbuf._packing`: C, or numpy without the extension). The packed write table is
+   (:mod:`jaxbuf.staged._packing`: C, or numpy without the extension). The packed write table is
    already *resolved*: where writes overlap, the later one's elements are the only ones left
    (earlier writes dropped or split into their visible pieces, from the row index the C stager
    keeps as writes are staged), so no two entries overlap;
-4. *submits*: the launcher chosen at construction (:mod:`jaxbuf._launch`) runs the kernel, in
+4. *submits*: the launcher chosen at construction (:mod:`jaxbuf.staged._launch`) runs the kernel, in
    parallel (one program per entry, in any order: the result is the in-order result); on CUDA
    on a stream, followed by an event that becomes every written tensor's ready event and
    guards the slot; on the CPU to completion.
@@ -92,9 +92,9 @@ class _Slot:
 
     ``buffer`` is the :class:`~jaxbuf.uva.UvaBuffer` (None until first used: capacity 0),
     ``host`` / ``ptr`` its host and device-visible addresses, ``i64`` an int64 numpy view of
-    it; ``event`` the :class:`~jaxbuf._launch.AppliedEvent` after the last launch that read it
-    (CUDA). ``device_copy``: device memory of ``capacity`` bytes that large applies are copied
-    into (see :data:`DEVICE_COPY_MIN_BYTES`; None until one needs it), guarded by the same
+    it; ``event`` the :class:`~jaxbuf.staged._launch.AppliedEvent` after the last launch that
+    read it (CUDA). ``device_copy``: device memory of ``capacity`` bytes that large applies are
+    copied into (see :data:`DEVICE_COPY_MIN_BYTES`; None until one needs it), guarded by the same
     event, since the launch that reads it follows the copy on one stream.
     """
 

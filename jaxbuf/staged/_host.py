@@ -55,7 +55,7 @@ STRUCT_CODES = {"int32": "=i", "int64": "=q", "float32": "=f", "float16": "=e"}
 
 class FreedError(RuntimeError, ValueError):
     """Use of a freed :class:`~jaxbuf.staged.StagedWriteTensor` or a closed
-    :class:`~jaxbuf.fused.FusedStagedWriter`.
+    :class:`~jaxbuf.FusedStagedWriter`.
 
     A ``RuntimeError``, as the owner contract says of every freed owner, and a ``ValueError``,
     which earlier releases raised here: handlers written for either keep working.
@@ -142,7 +142,7 @@ class StagingState:
         ``(out_ptr, row_stride, elem_size, num_rows, device)``: the writer's group-table row
         for the target and its layout-cache key; None once the tensor is freed.
     ``applied``
-        The event (``jaxbuf._launch.AppliedEvent``) recorded after the last launch that wrote
+        The event (``jaxbuf.staged._launch.AppliedEvent``) recorded after the last launch that wrote
         the target, or None: the tensor's ready event, and what a launch on another stream
         waits for.
     """

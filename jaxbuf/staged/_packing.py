@@ -1,6 +1,6 @@
 """Packing an apply into a staging slot: the C packer, and the same layout in numpy.
 
-A :class:`~jaxbuf.fused.FusedStagedWriter` chooses one packer when it is made
+A :class:`~jaxbuf.FusedStagedWriter` chooses one packer when it is made
 (:func:`new_packer`): :class:`CPacker` (``jaxbuf._staging.pack``, one C call) when the
 extension is built, else :class:`NumpyPacker`. Both lay an apply out the same way in the slot's
 pinned memory, which the kernel then reads in place:
@@ -23,7 +23,7 @@ calls ``clear``, which drops the staged writes that the last ``pack`` laid out.
 A packer gets the tensors of an apply and sees each only through ``tensor.staging`` (its
 :class:`~jaxbuf.staged._host.StagingState`), a slot only through ``host`` (its host address),
 ``capacity`` (bytes) and ``i64`` (an int64 numpy view of it), and the layout through its group
-table and item sizes (``jaxbuf.fused._Layout``).
+table and item sizes (``jaxbuf.staged._fused._Layout``).
 """
 
 from __future__ import annotations
