@@ -238,7 +238,7 @@ class FusedStagedWriter:
         if not sum(staged_bytes):
             return
         if self._closed:
-            raise FreedError("the FusedStagedWriter is closed")
+            raise FreedError("FusedStagedWriter", "closed", "make a new writer to apply again")
         if output_ptrs is None:
             key = tuple([t.staging.group_entry for t in tensors])
         else:
@@ -396,7 +396,7 @@ class FusedStagedWriter:
         for t, ptr, stride in zip(tensors, ptrs, strides):
             entry = t.staging.group_entry
             if entry is None:
-                raise FreedError(f"{t!r} is freed")
+                raise FreedError("StagedWriteTensor", "freed", f"cannot apply {t!r}")
             if ptr % entry[2] or stride < 0:
                 raise ValueError(
                     f"output pointer {ptr:#x} / stride {stride} do not suit {t.dtype} elements"
@@ -411,7 +411,7 @@ class FusedStagedWriter:
             if not isinstance(state, StagingState):
                 raise _not_tensors([t])
             if state.group_entry is None:
-                raise FreedError(f"{t!r} is freed")
+                raise FreedError("StagedWriteTensor", "freed", f"cannot apply {t!r}")
             if t.device != self.device:
                 raise ValueError(f"{t!r} is on {t.device}; this writer applies on {self.device}")
             if id(t) in seen:

@@ -27,6 +27,7 @@ import numpy as np
 
 from .._checks import as_int as as_index
 from .._checks import as_max_concurrency
+from .._errors import ClosedError
 from ..devices import Device
 from ..dtypes import DType, canonical_dtype
 
@@ -53,13 +54,11 @@ pack_record = struct.Struct(f"={WRITE_FIELDS}q").pack
 STRUCT_CODES = {"int32": "=i", "int64": "=q", "float32": "=f", "float16": "=e"}
 
 
-class FreedError(RuntimeError, ValueError):
-    """Use of a freed :class:`~jaxbuf.staged.StagedWriteTensor` or a closed
-    :class:`~jaxbuf.FusedStagedWriter`.
-
-    A ``RuntimeError``, as the owner contract says of every freed owner, and a ``ValueError``,
-    which earlier releases raised here: handlers written for either keep working.
-    """
+class FreedError(ClosedError):
+    """Use of a freed :class:`~jaxbuf.StagedWriteTensor` or a closed
+    :class:`~jaxbuf.FusedStagedWriter`: the staged writes' :class:`jaxbuf.ClosedError`
+    (a ``RuntimeError`` and a ``ValueError``, as every owner's), kept by its own name for
+    handlers written for it."""
 
 
 # -- argument checks -------------------------------------------------------------------------

@@ -415,8 +415,9 @@ class StagedWriteTensor:
     @staticmethod
     def _freed_error(action: str) -> FreedError:
         return FreedError(
-            f"the StagedWriteTensor is freed: cannot {action} (arrays exported before free() "
-            "keep the memory until they are gone)"
+            "StagedWriteTensor",
+            "freed",
+            f"cannot {action} (arrays exported before free() keep the memory until they are gone)",
         )
 
     @property
