@@ -150,8 +150,8 @@ def snapshot(obj: Any) -> Any:
     if isinstance(obj, jaxbuf.StagedWriteTensor):
         return (
             obj.num_staged_writes,
-            bytes(obj._staging.records),
-            bytes(obj._staging.contents),
+            bytes(obj.staging.records),
+            bytes(obj.staging.contents),
             obj.to_numpy().tobytes(),
         )
     if isinstance(obj, tuple):

@@ -243,7 +243,7 @@ def test_fused_writer_several_tables_one_never_staged(device, packer, cleanup, m
         assert all(t.num_staged_writes == 0 for t in tables)
         for swt, model in zip(tables, models):
             _assert_same(_read(swt), model)
-    assert launches == [False, False, False]  # one parallel launch per apply
+    assert launches == [3, 3, 3]  # one launch per apply, of the writes staged
     writer.apply(tables)  # nothing staged: no launch
     assert len(launches) == 3
 
@@ -344,9 +344,9 @@ def test_overlaps_resolved_before_a_parallel_launch(packer, cleanup, monkeypatch
     tables = []
     launch = swt._writer._launch
 
-    def recording(*args, **kwargs):
-        tables.append(args[6][:, 1:].copy())  # row, start, content_offset, length
-        return launch(*args, **kwargs)
+    def recording(args, raw_stream, host_tables=None, copy=None):
+        tables.append(host_tables[0][:, 1:].copy())  # row, start, content_offset, length
+        return launch(args, raw_stream, host_tables, copy)
 
     monkeypatch.setattr(swt._writer, "_launch", recording)
     swt.stage_write(1, 0, [1, 2])
@@ -356,7 +356,7 @@ def test_overlaps_resolved_before_a_parallel_launch(packer, cleanup, monkeypatch
     swt.stage_write(3, 0, [1, 2])
     swt.stage_write(3, 1, [9])  # overlaps: the first write keeps only its element 0
     swt.apply_write()
-    assert launches == [False, False]
+    assert launches == [3, 2]  # one launch per apply; the overlap resolved to two pieces
     assert tables[0].tolist() == [[1, 0, 0, 2], [1, 4, 8, 2], [2, 0, 16, 1]]
     assert tables[1].tolist() == [[3, 0, 0, 1], [3, 1, 8, 1]]
     _assert_same(
@@ -783,8 +783,8 @@ def test_c_and_python_staging_paths_agree(cleanup):
         swt.stage_write(np.int64(5), 0, np.arange(2, dtype=np.int64))  # a numpy index
         swt.stage_write(6, 4, random_values)
         swt.stage_write(7, 0, np.array([], np.int64))
-    assert bytes(fast._staging.records) == bytes(slow._staging.records)
-    assert bytes(fast._staging.contents) == bytes(slow._staging.contents)
+    assert bytes(fast.staging.records) == bytes(slow.staging.records)
+    assert bytes(fast.staging.contents) == bytes(slow.staging.contents)
     for error, bad in ((IndexError, (8, 0)), (IndexError, (0, 15)), (TypeError, (True, 0))):
         with pytest.raises(error):
             fast.stage_write(*bad, np.arange(2, dtype=np.int64))

@@ -34,7 +34,7 @@ from .._checks import as_int as as_index
 from .._errors import Cleanup, attempt
 from .._lifetime import release_when_collected
 from .._resolve import resolve
-from ..devices import Device
+from ..devices import Device, as_device
 from ..drivers.base import VmmDriver
 from ..kernels.reference import StagedLaunch
 from ._host import (
@@ -159,7 +159,7 @@ class FusedStagedWriter:
     ) -> None:
         self._slots: list[_Slot] = []
         self._closed = True
-        if _is_device_like(max_writes) and not _is_device_like(device) and device is not None:
+        if _is_device_like(max_writes) and not _names_a_device(device):
             warnings.warn(
                 "FusedStagedWriter(device, max_writes, ...) is deprecated: the order is "
                 "FusedStagedWriter(max_writes, device=..., max_concurrency=...)",
@@ -492,6 +492,18 @@ def _is_device_like(value: Any) -> bool:
     if isinstance(value, (int, np.integer)) or value is None:
         return False
     return hasattr(value, "platform") or hasattr(value, "type")
+
+
+def _names_a_device(value: Any) -> bool:
+    """Whether ``value`` reads as a device spec that is not an integer: then a device-like
+    first argument is no old-order call (and is refused as the write count it is not)."""
+    if not _is_device_like(value):
+        return False
+    try:
+        as_device(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _as_sequence(tensors: Any) -> tuple:

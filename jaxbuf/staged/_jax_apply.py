@@ -237,13 +237,14 @@ def check_array(array: Any, dtype: np.dtype, shape: tuple[int, int] | None) -> N
     before it packs (so a refused array leaves the writes staged)."""
     import jax
 
+    ndim = getattr(array, "ndim", None)
+    if ndim is not None and ndim != 2:
+        raise ValueError(f"array must be 2-D, got shape {tuple(array.shape)}")
     if not isinstance(array, jax.Array):
         raise TypeError(
             f"array must be a jax.Array (a 2-D JAX array, or a tracer inside jit), got "
             f"{type(array).__module__}.{type(array).__qualname__}"
         )
-    if array.ndim != 2:
-        raise ValueError(f"array must be 2-D, got shape {tuple(array.shape)}")
     if array.dtype != dtype:
         raise TypeError(f"packed values are {dtype}, array is {array.dtype}")
     if shape is not None and (array.shape[0] < shape[0] or array.shape[1] < shape[1]):
