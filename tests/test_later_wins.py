@@ -134,10 +134,11 @@ def _run_fused(backend: str, seed: int, tensors, monkeypatch) -> list[np.ndarray
     tables = []
     launch = writer._launch
 
-    def recording(*args, **kwargs):
-        assert not args[4]  # never the serial launch
-        tables.append(args[6].copy())
-        return launch(*args, **kwargs)
+    def recording(args, raw_stream, host_tables=None, copy=None):
+        # One parallel launch of every resolved write (the launch value has no serial mode).
+        assert args.num_writes == host_tables[0].shape[0]
+        tables.append(host_tables[0].copy())
+        return launch(args, raw_stream, host_tables, copy)
 
     monkeypatch.setattr(writer, "_launch", recording)
     try:

@@ -18,8 +18,8 @@ import numpy as np
 from _timers import time_calls  # tools/, beside this script
 
 import jaxbuf
-from jaxbuf import _launch, interop
-from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor
+from jaxbuf import interop
+from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor, _launch
 
 
 def main() -> None:

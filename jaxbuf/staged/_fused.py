@@ -23,6 +23,7 @@ A writer (with its packer) sees a tensor only through ``tensor.staging``, the te
 
 from __future__ import annotations
 
+import reprlib
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -523,7 +524,8 @@ def _not_tensors(tensors: Any) -> TypeError:
     if type(bad).__name__ == "StagedWrites":
         hint = "; a JAX StagedWrites is applied with jaxbuf.jax_ops.apply_staged_writes"
     return TypeError(
-        f"tensors must be an iterable of StagedWriteTensor, got {type(bad).__name__}{hint}"
+        f"tensors must be an iterable of StagedWriteTensor, got {reprlib.repr(bad)} "
+        f"({type(bad).__name__}){hint}"
     )
 
 
