@@ -92,6 +92,7 @@ typedef struct {
     Py_ssize_t live_exports;
     PyObject *weakreflist;
     int shared; /* filed in shared_anchors (made by anchor_of) */
+    int closed; /* set by close(): new_capsule refuses it from then on */
 } ExportAnchor;
 
 static PyTypeObject ExportAnchorType;
@@ -115,7 +116,17 @@ static PyObject *anchor_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     self->live_exports = 0;
     self->weakreflist = NULL;
     self->shared = 0;
+    self->closed = 0;
     return (PyObject *)self;
+}
+
+/* close() -> int: refuse new capsules from now on and return live_exports. One step with the
+ * GIL held, as new_capsule's check-and-count is: an export racing the owner's free() on
+ * another thread either counts before this (and the owner leaves the memory to it) or is
+ * refused after it, never made over memory the owner released. */
+static PyObject *anchor_close(ExportAnchor *self, PyObject *unused) {
+    self->closed = 1;
+    return PyLong_FromSsize_t(self->live_exports);
 }
 
 static void forget_shared(ExportAnchor *self) {
@@ -170,7 +181,18 @@ static PyObject *anchor_repr(ExportAnchor *self) {
                                 (void *)self->target, self->live_exports);
 }
 
+static PyObject *anchor_get_closed(ExportAnchor *self, void *closure) {
+    return PyBool_FromLong(self->closed);
+}
+
+static PyMethodDef anchor_methods[] = {
+    {"close", (PyCFunction)anchor_close, METH_NOARGS,
+     "close() -> int: refuse new capsules over this anchor; return live_exports"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyGetSetDef anchor_getset[] = {
+    {"closed", (getter)anchor_get_closed, NULL, "Whether close() was called.", NULL},
     {"target", (getter)anchor_get_target, NULL, "The object kept alive (the allocation).",
      NULL},
     {"live_exports", (getter)anchor_get_live_exports, NULL,
@@ -198,6 +220,7 @@ static PyTypeObject ExportAnchorType = {
     .tp_clear = (inquiry)anchor_clear,
     .tp_weaklistoffset = offsetof(ExportAnchor, weakreflist),
     .tp_getset = anchor_getset,
+    .tp_methods = anchor_methods,
     .tp_new = anchor_new,
 };
 
@@ -381,6 +404,23 @@ static void dltensor_capsule_destructor(PyObject *capsule) {
 
 /* ---- the builder ------------------------------------------------------------------------- */
 
+/* The owner was freed between the export taking its anchor and making the capsule (free() on
+ * another thread): jaxbuf.ClosedError naming what the anchor holds. Error path only. */
+static void raise_closed_anchor(ExportAnchor *anchor) {
+    const char *kind = anchor->target == NULL ? "memory" : Py_TYPE(anchor->target)->tp_name;
+    PyObject *module = PyImport_ImportModule("jaxbuf._errors");
+    PyObject *type = module == NULL ? NULL : PyObject_GetAttrString(module, "ClosedError");
+    Py_XDECREF(module);
+    if (type == NULL) return;
+    PyObject *error = PyObject_CallFunction(
+        type, "sss", kind, "freed",
+        "free() ran on another thread while this export was being made; nothing was exported");
+    Py_DECREF(type);
+    if (error == NULL) return;
+    PyErr_SetObject((PyObject *)Py_TYPE(error), error);
+    Py_DECREF(error);
+}
+
 /* Capsule names must outlive every capsule, including those alive at interpreter exit, so they
  * are static C strings rather than Python bytes objects. */
 static const char LEGACY_NAME[] = "dltensor";
@@ -407,6 +447,10 @@ static PyObject *new_capsule(PyObject *self, PyObject *const *args, Py_ssize_t n
     } else if (Py_TYPE(anchor) != &ExportAnchorType) {
         PyErr_Format(PyExc_TypeError, "anchor must be an ExportAnchor or None, not %.100s",
                      Py_TYPE(anchor)->tp_name);
+        return NULL;
+    }
+    if (anchor != NULL && ((ExportAnchor *)anchor)->closed) {
+        raise_closed_anchor((ExportAnchor *)anchor);
         return NULL;
     }
     if (PyBytes_AsStringAndSize(args[0], &payload, &size) < 0) return NULL;

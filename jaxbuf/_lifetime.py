@@ -3,20 +3,37 @@
 An object that owns driver resources frees them when it is collected, but a collector has no
 caller to raise to, and at interpreter exit the platform runtime may already be gone (a driver
 call there can abort the process; the process returns its memory anyway). So: never while the
-interpreter is finalizing, and a failure becomes a ``ResourceWarning`` naming what leaked,
-instead of an "Exception ignored" line or silence.
+interpreter is finalizing, and a failure is never silent:
+
+* with a ``driver`` named, the failed release is **queued**: retried at the next use of that
+  driver (:func:`retry_deferred`, which the allocations call when they reserve or release)
+  and at interpreter exit (an ``atexit`` hook), and reported once, when it is queued, as a
+  ``ResourceWarning`` naming what is retried. The queue holds the release (and so the
+  object) until a retry succeeds.
+* without one, the failure becomes a ``ResourceWarning`` naming what leaked, instead of an
+  "Exception ignored" line or silence.
 """
 
 from __future__ import annotations
 
+import atexit
 import sys
+import threading
 import warnings
 from collections.abc import Callable
+from typing import Any
+
+__all__ = ["deferred_releases", "release_when_collected", "retry_deferred"]
+
+# (driver, release, what) of the releases that failed in a finalizer, oldest first.
+_deferred: list[tuple[Any, Callable[[], object], str]] = []
+_deferred_lock = threading.RLock()  # a finalizer may run while it is held (GC)
 
 
 def release_when_collected(
     release: Callable[[], object],
     what: str,
+    driver: Any = None,
     _is_finalizing: Callable[[], bool] = sys.is_finalizing,
     _warn: Callable[..., None] = warnings.warn,
 ) -> None:
@@ -30,8 +47,49 @@ def release_when_collected(
     try:
         release()
     except Exception as error:  # noqa: BLE001 - no caller to raise to: reported, not hidden
+        if driver is None:
+            _warn(
+                f"jaxbuf: releasing {what} during garbage collection failed (it leaks): {error!r}",
+                ResourceWarning,
+                stacklevel=3,
+            )
+            return
+        with _deferred_lock:
+            _deferred.append((driver, release, what))
         _warn(
-            f"jaxbuf: releasing {what} during garbage collection failed (it leaks): {error!r}",
+            f"jaxbuf: releasing {what} during garbage collection failed: {error!r}; it is "
+            "retried at the next use of its driver and at interpreter exit",
             ResourceWarning,
             stacklevel=3,
         )
+
+
+def retry_deferred(driver: Any = None) -> None:
+    """Retry the queued releases of ``driver`` (every driver's when None). Cheap when the
+    queue is empty (one list check). A release that fails again stays queued, silently: it
+    was reported when it was queued."""
+    if not _deferred:
+        return
+    with _deferred_lock:
+        mine = [entry for entry in _deferred if driver is None or entry[0] is driver]
+        for entry in mine:
+            _deferred.remove(entry)
+    failed = []
+    for entry in mine:
+        try:
+            entry[1]()
+        except Exception:  # noqa: BLE001 - reported when queued; kept for the next retry
+            failed.append(entry)
+    if failed:
+        with _deferred_lock:
+            _deferred[:0] = failed
+
+
+def deferred_releases(driver: Any = None) -> list[str]:
+    """What is queued for a retry (of ``driver``, or of every driver): one name each."""
+    with _deferred_lock:
+        return [what for d, _, what in _deferred if driver is None or d is driver]
+
+
+# At exit, before the interpreter finalizes (atexit hooks run first): the last retry.
+atexit.register(retry_deferred)

@@ -50,6 +50,10 @@ class MemoryOwner(Protocol):
         owner handle while arrays use it: the ``jaxbuf._capsule.ExportAnchor`` of the
         owner's :class:`Lifetime`, which counts the live exports (any other object is wrapped
         in an anchor that its live exports share).
+    ``committed_ranges(ptr, nbytes)`` (optional)
+        The parts of ``[ptr, ptr + nbytes)`` backed by memory, as sorted ``(start, end)``
+        addresses: all a copy of a view (``__dlpack__(copy=True)``) reads; the rest of the copy
+        is zeros. An owner without it has all of its views' bytes backed (a UVA buffer).
     """
 
     device: Device
@@ -132,7 +136,9 @@ class Lifetime:
         if anchor is None:
             return False
         allocation = anchor.target
-        if anchor.live_exports:
+        # One atomic step (C, with the GIL): from here an export that took the anchor before
+        # this call is refused (ClosedError) instead of made over memory released below.
+        if anchor.close():
             return False
         del anchor  # the allocation must not outlive this call through a local
         release_now(allocation)

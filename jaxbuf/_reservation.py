@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from jaxbuf._defragment import Defragmenting
 from jaxbuf._errors import ClosedError, attempt, raise_first
 from jaxbuf._intervals import IntervalSet
-from jaxbuf._lifetime import release_when_collected
+from jaxbuf._lifetime import release_when_collected, retry_deferred
 from jaxbuf.drivers.base import VmmDriver
 
 __all__ = [
@@ -135,6 +135,7 @@ class VirtualBuffer(Defragmenting):
         # buffer: each notification site tests this tuple first, so they cost nothing then.
         self._listeners: tuple[MappingListener, ...] = ()
         driver.ensure_context(device_index)
+        retry_deferred(driver)  # releases that failed in a finalizer: retried at next use
         self.base_ptr = driver.reserve(self.reserved_size, granularity)
 
     # -- queries --------------------------------------------------------------------
@@ -440,6 +441,7 @@ class VirtualBuffer(Defragmenting):
         """
         if self._released:
             return
+        retry_deferred(self._driver)
         self.release_physical()
         if self.base_ptr:
             self._driver.free_reserved(self.base_ptr, self.reserved_size)
@@ -463,7 +465,8 @@ class VirtualBuffer(Defragmenting):
 
     def __del__(self, _release: Any = release_when_collected) -> None:
         if getattr(self, "base_ptr", 0):
-            _release(self.release, f"the {self.what}'s memory")
+            # With the driver: a failure is queued, retried at its next use and at exit.
+            _release(self.release, f"the {self.what}'s memory", driver=self._driver)
 
 
 def committed_buffer(driver: VmmDriver, nbytes: int, device_index: int, what: str) -> VirtualBuffer:

@@ -81,6 +81,41 @@ class SegmentedReservation:
         """What an export keeps alive: the buffer itself (see :mod:`jaxbuf._owner`)."""
         return self
 
+    def _not_an_array(self, *args: Any, **kwargs: Any) -> Any:
+        name = type(self).__name__
+        raise TypeError(
+            f"an {name} is not an array: take a view first, e.g. "
+            f"torch.from_dlpack(buf.segment_view(0)), np.asarray(buf.segment_view(0).to_numpy()) "
+            f"or buf.full_view() (see {name}.full_view for what it may touch)"
+        )
+
+    # torch.from_dlpack / np.asarray / jnp.asarray of the buffer itself: a clear TypeError.
+    __dlpack__ = __dlpack_device__ = __array__ = _not_an_array
+
+    def committed_ranges(self, ptr: int, nbytes: int) -> list[tuple[int, int]]:
+        """The committed bytes of ``[ptr, ptr + nbytes)``: ``(start, end)`` addresses, sorted
+        and disjoint, one per segment prefix it meets (O(segments)). What a copy of a view may
+        read (see :mod:`jaxbuf._owner`); empty once freed or closed."""
+        base = self._live_base_ptr()
+        end = ptr + nbytes
+        runs = []
+        for offset, size in zip(self._segment_offsets, self._committed):
+            start, stop = max(ptr, base + offset), min(end, base + offset + size)
+            if start < stop:
+                runs.append((start, stop))
+        return runs
+
+    @property
+    def nbytes(self) -> int:
+        """Committed bytes, summed over all segments (``nbytes``, as on views and UVA
+        buffers)."""
+        return sum(self._committed)
+
+    @property
+    def num_bytes(self) -> int:
+        """The seed's name for :attr:`nbytes` (kept as an alias)."""
+        return sum(self._committed)
+
     @property
     def committed_sizes(self) -> list[int]:
         """Committed prefix size of every segment."""

@@ -25,7 +25,7 @@ from jaxbuf._reservation import MIN_GRANULARITY, MappingListener, commit_granule
 from jaxbuf._reservation import VirtualBuffer as _VirtualBuffer
 from jaxbuf._resolve import resolve
 from jaxbuf._segments import SegmentedReservation
-from jaxbuf.devices import Device, as_device
+from jaxbuf.devices import Device, DeviceLike, as_device
 from jaxbuf.drivers.base import VmmDriver
 from jaxbuf.views import BufferView
 
@@ -132,7 +132,7 @@ def _aligned_offsets(capacities: list[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def granule_size(device: Any = None, driver: VmmDriver | None = None) -> int:
+def granule_size(device: DeviceLike | None = None, driver: VmmDriver | None = None) -> int:
     """Commit granule of ``device``: the driver granularity, floored at 2 MiB.
 
     The result is a multiple of the driver granularity (the floor is rounded up to one).
@@ -218,7 +218,7 @@ class ExtensibleTensor(SegmentedReservation):
     def __init__(
         self,
         max_num_bytes: int,
-        device: Any = None,
+        device: DeviceLike | None = None,
         num_segments: int = 1,
         segment_capacities: Sequence[int] | None = None,
         driver: VmmDriver | None = None,
@@ -303,7 +303,15 @@ class ExtensibleTensor(SegmentedReservation):
 
     # -- views ----------------------------------------------------------------------
     def full_view(self) -> BufferView:
-        """Uint8 view spanning every segment (only committed bytes may be touched)."""
+        """Uint8 view spanning every segment, committed or not.
+
+        What may be touched: the committed prefix of each segment (:attr:`committed_sizes`,
+        from :attr:`segment_offsets`), read and written. Beyond it, on the CPU driver,
+        reading gives zeros and writing faults (``SIGSEGV``); on CUDA any access faults the
+        context. A copy (``__dlpack__(copy=True)``, ``np.from_dlpack(view, copy=True)``)
+        reads only committed bytes and holds zeros elsewhere, on every platform; printing a
+        framework array of this view on the CPU shows those zeros.
+        """
         return self._view(0, self._extent)
 
     # -- growing --------------------------------------------------------------------
@@ -421,10 +429,14 @@ class ExtensibleTensor(SegmentedReservation):
     def release_physical(self) -> None:
         """Drop all physical pages but keep the reservation and its views.
 
-        Waits for the device first. Every segment's committed size becomes 0. The one
-        operation that invalidates live arrays: they keep their address, and touching them
-        faults (the CPU driver: ``SIGSEGV``) until a grow commits memory again; then they
-        work (fresh CPU memory reads zeros; CUDA memory is undefined without ``zero_new``).
+        Waits first for the frameworks' pending work on this device
+        (:func:`jaxbuf.interop.quiesce`: JAX's asynchronously dispatched computations, torch's
+        CUDA queue), as :meth:`free` does, then for the device. Every segment's committed size
+        becomes 0. The one operation that invalidates live arrays: they keep their address;
+        until a grow commits memory again, on the CPU driver reading them gives zeros and
+        writing them faults (``SIGSEGV``), on CUDA touching them at all faults. After a grow
+        they work (fresh CPU memory reads zeros; CUDA memory is undefined without
+        ``zero_new``).
 
         A mapping listener (:meth:`add_mapping_listener`) that refuses raises here with
         nothing changed; a driver failure while releasing still drops the sizes.
@@ -433,6 +445,9 @@ class ExtensibleTensor(SegmentedReservation):
         # A registration that refuses (a transfer in flight) refuses before anything
         # changes, so the sizes stand; a driver failure after that drops them (see above).
         buffer.tell_unmapping()
+        # As free(): JAX's asynchronously dispatched work (and torch's CUDA queue) may still
+        # read the pages, which must not be unmapped under it.
+        interop.quiesce(self._device)
         try:
             buffer.release_physical(listeners_told=True)
         finally:
@@ -494,11 +509,6 @@ class ExtensibleTensor(SegmentedReservation):
     __reduce_ex__ = __copy__ = __deepcopy__ = _refuse_copy
 
     # -- properties -----------------------------------------------------------------
-    @property
-    def num_bytes(self) -> int:
-        """Current committed size in bytes, summed over all segments."""
-        return sum(self._committed)
-
     @property
     def bytes_per_segment(self) -> int:
         """Committed prefix size of each segment (ValueError when they differ)."""
@@ -579,7 +589,15 @@ class ExtensibleTensor(SegmentedReservation):
         return 0 if self._buffer is None else self._buffer.base_ptr
 
     def __repr__(self) -> str:
+        lifetime = getattr(self, "_lifetime", None)
+        if self._buffer is not None:
+            state = "open"
+        elif lifetime is None or lifetime.released:
+            state = "freed"
+        else:
+            state = f"freed, {lifetime.live_exports} live export(s)"
         return (
-            f"ExtensibleTensor(device={self._device}, capacity={self._max_num_bytes}, "
-            f"committed={self._committed}, physical_bytes={self.physical_bytes})"
+            f"ExtensibleTensor(device={self._device}, dtype=uint8, "
+            f"shape=({self._max_num_bytes},), committed={self._committed}, "
+            f"nbytes={sum(self._committed)}, physical_bytes={self.physical_bytes}, {state})"
         )

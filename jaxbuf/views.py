@@ -22,10 +22,9 @@ import numpy as np
 
 from . import _dlpack, interop
 from ._checks import as_int, as_shape
-from ._reservation import committed_buffer
 from .devices import Device
 from .drivers.base import K_DL_CPU, K_DL_CUDA, K_DL_CUDA_HOST, K_DL_ROCM, K_DL_ROCM_HOST
-from .dtypes import DType, canonical_dtype, uint8
+from .dtypes import DType, DTypeLike, canonical_dtype, uint8
 
 _HOST_DEVICE_TYPES = (K_DL_CPU, K_DL_CUDA_HOST, K_DL_ROCM_HOST)
 _STREAM_DEVICE_TYPES = (K_DL_CUDA, K_DL_CUDA_HOST, K_DL_ROCM, K_DL_ROCM_HOST)
@@ -66,34 +65,49 @@ def _wait_for_producer(owner: Any) -> None:
         owner.driver.event_synchronize(event)
 
 
+def _check_copy(copy: Any) -> bool | None:
+    if copy is None:
+        return None
+    if not isinstance(copy, (bool, np.bool_)):
+        raise TypeError(f"copy must be True, False or None, got {copy!r}")
+    return bool(copy)
+
+
+def _readable_runs(view: BufferView, nbytes: int) -> list[tuple[int, int]]:
+    """The parts of the view's first ``nbytes`` that hold memory, as ``(start, end)``
+    addresses: the owner's ``committed_ranges`` (see :mod:`jaxbuf._owner`), or the whole
+    range for an owner whose memory is all backed (one without that member)."""
+    committed_ranges = getattr(view.owner, "committed_ranges", None)
+    if committed_ranges is None:
+        return [(view.ptr, view.ptr + nbytes)]
+    return committed_ranges(view.ptr, nbytes)
+
+
 def _copy_capsule(view: BufferView, device_type: int, device_id: int, versioned: bool):
     """A capsule over a fresh copy of ``view``'s bytes, on the host (``device_type`` kDLCPU) or
     on the view's own device, kept alive by the capsule alone (``copy=True`` of the array API:
-    the producer owns the copy). The copy is complete when this returns."""
+    the producer owns the copy). The copy is complete when this returns.
+
+    Only committed bytes are read: where the view reaches past them (a ``full_view()``) the
+    copy holds zeros, on every platform (an uncommitted CUDA address must never be touched).
+    """
     nbytes = math.prod(view.shape) * view.dtype.itemsize
-    owner = view.owner
     anchor_target: Any = None
     data = 0  # no elements: NULL data, nothing to copy or keep alive
     if nbytes:
-        from .drivers import get_vmm_driver
-
-        driver = getattr(owner, "driver", None) or get_vmm_driver(view.device)
+        driver = getattr(view.owner, "driver", None) or _driver_of(view.device)
         index = view.device.index
+        runs = _readable_runs(view, nbytes)
+        whole = runs == [(view.ptr, view.ptr + nbytes)]
         if device_type == K_DL_CPU:
-            anchor_target = np.empty(nbytes, np.uint8)
+            anchor_target = (np.empty if whole else np.zeros)(nbytes, np.uint8)
             data = anchor_target.ctypes.data
-        else:  # the view's device, through the driver (views import no buffer module)
-            anchor_target = committed_buffer(driver, nbytes, index, "DLPack copy")
-            data = anchor_target.base_ptr
-        # On the producer stream, so after the owner's pending writes; waited for, so any
-        # consumer stream (and the host) sees the finished copy.
-        driver.copy(data, view.ptr, nbytes, index)
-        event = driver.record_event(1, index)
-        if event is not None:
-            try:
-                driver.event_synchronize(event)
-            finally:
-                driver.destroy_event(event)
+        else:  # the view's device, through the owner's driver
+            anchor_target = driver.device_alloc(nbytes, index)
+            data = anchor_target.ptr
+            if not whole:
+                driver.memset(data, 0, nbytes, index)
+        _copy_runs(driver, index, data, view.ptr, runs)
     dtype = view.dtype
     payload = _dlpack.pack_payload(
         data,
@@ -106,6 +120,27 @@ def _copy_capsule(view: BufferView, device_type: int, device_id: int, versioned:
         is_copied=True,
     )
     return _dlpack.new_capsule(payload, _dlpack.anchor_for(anchor_target))
+
+
+def _copy_runs(driver: Any, index: int, dst: int, src: int, runs: list[tuple[int, int]]) -> None:
+    """Copy each run (addresses from ``src`` on) to the same offset from ``dst``, on the
+    producer stream (so after the owner's pending writes), and wait for it (so any consumer
+    stream, and the host, sees the finished copy)."""
+    for start, end in runs:
+        driver.copy(dst + (start - src), start, end - start, index)
+    event = driver.record_event(1, index)
+    if event is not None:
+        try:
+            driver.event_synchronize(event)
+        finally:
+            driver.destroy_event(event)
+
+
+def _driver_of(device: Device) -> Any:
+    """The driver of a view over a foreign pointer (no owner to ask)."""
+    from .drivers import get_vmm_driver
+
+    return get_vmm_driver(device)
 
 
 class BufferView:
@@ -133,16 +168,17 @@ class BufferView:
         self,
         ptr: int,
         nbytes: int,
-        dtype: Any = uint8,
+        dtype: DTypeLike = uint8,
         shape: Any = None,
         device: Device = Device("cpu"),
         owner: Any = None,
         dlpack_device_type: int = K_DL_CPU,
     ) -> None:
         ptr, nbytes = as_int(ptr, "ptr"), as_int(nbytes, "nbytes")
-        for name, value in (("ptr", ptr), ("nbytes", nbytes)):
-            if not 0 <= value < 1 << 64:
-                raise ValueError(f"{name} must be in [0, 2**64), got {value!r}")
+        if not 0 <= ptr < 1 << 64:
+            raise ValueError(f"ptr must be in [0, 2**64), got {ptr!r}")
+        if not 0 <= nbytes < 1 << 63:  # DLPack shapes are int64
+            raise ValueError(f"nbytes must be in [0, 2**63), got {nbytes!r}")
         dtype = canonical_dtype(dtype)
         shape = (nbytes // dtype.itemsize,) if shape is None else as_shape(shape)
         needed = math.prod(shape) * dtype.itemsize
@@ -164,16 +200,21 @@ class BufferView:
         self._versioned_payload = None
 
     def __repr__(self) -> str:
+        owner = self.owner
+        if owner is None:
+            state = "foreign"  # over a pointer nobody here owns
+        else:
+            state = "open" if getattr(owner, "export_anchor", None) is not None else "freed"
         return (
-            f"BufferView(ptr={self.ptr:#x}, shape={self.shape}, dtype={self.dtype}, "
-            f"device={self.device})"
+            f"BufferView(ptr={self.ptr:#x}, device={self.device}, dtype={self.dtype}, "
+            f"shape={self.shape}, nbytes={self.nbytes}, {state})"
         )
 
     def __len__(self) -> int:
         return self.shape[0] if self.shape else 1
 
     # -- reinterpretation -------------------------------------------------------------
-    def view(self, dtype: Any = None, shape: Any = None) -> BufferView:
+    def view(self, dtype: DTypeLike | None = None, shape: Any = None) -> BufferView:
         """The same bytes as another dtype and/or shape (a prefix when smaller).
 
         Raises ``TypeError`` for an unsupported dtype and ``ValueError`` for a shape that does
@@ -214,62 +255,77 @@ class BufferView:
         is needed); ``TypeError`` for malformed arguments; the owner's ``RuntimeError`` once it
         has been freed.
         """
-        versioned = False
         if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool)):
             raise TypeError(f"stream must be None or an int, got {stream!r}")
+        versioned = False
         if max_version is not None:
             _check_pair(max_version, "max_version")
             versioned = max_version[0] >= 1
         device_type = self.dlpack_device_type
-        if dl_device is not None or copy is not None:
-            if copy is not None:
-                if not isinstance(copy, (bool, np.bool_)):
-                    raise TypeError(f"copy must be True, False or None, got {copy!r}")
-                copy = bool(copy)
-            own_device = self.__dlpack_device__()
-            if dl_device is not None:
-                _check_pair(dl_device, "dl_device")
-                dl_device = (int(dl_device[0]), dl_device[1])
-            if dl_device is None or dl_device == own_device:
-                dl_device = own_device
-            elif dl_device == (K_DL_CPU, 0) and device_type in _HOST_DEVICE_TYPES:
-                device_type = K_DL_CPU  # pinned host memory: the host reads it in place
-                if not copy:  # a host consumer has no stream: wait for pending device writes
-                    _wait_for_producer(self.owner)
-            elif dl_device == (K_DL_CPU, 0) and device_type in _STREAM_DEVICE_TYPES:
-                if copy is False:
-                    raise BufferError(
-                        f"exporting this view on {self.device} to the host {dl_device} needs "
-                        "a copy, and copy=False forbids it"
-                    )
-                copy = True
-            else:
-                raise BufferError(
-                    f"cannot export to device {dl_device}: the view lives on {own_device}; "
-                    f"only {own_device} or the host (1, 0) can be asked for"
-                )
-            if dl_device[0] == K_DL_CPU and stream is not None and stream != -1:
+        if dl_device is not None or copy is not None:  # the rare path: a device move or copy
+            target, copy = self._target_device(dl_device, _check_copy(copy))
+            if target[0] == K_DL_CPU and stream is not None and stream != -1:
                 raise BufferError(f"stream must be None for an export to the host, got {stream!r}")
             if copy:
                 _dlpack.anchor_for(self.owner)  # a freed owner raises here too
-                return _copy_capsule(self, dl_device[0], dl_device[1], versioned)
+                return _copy_capsule(self, target[0], target[1], versioned)
+            device_type = target[0]
         anchor = _dlpack.anchor_for(self.owner)
         if stream is not None and stream != -1:
-            if device_type not in _STREAM_DEVICE_TYPES:
-                raise BufferError(f"stream must be None for a CPU view, got {stream!r}")
-            if stream == 0 and device_type in (K_DL_CUDA, K_DL_CUDA_HOST):
-                raise BufferError(
-                    "stream 0 is ambiguous on CUDA (the array API disallows it): "
-                    "pass 1 for the legacy default stream, 2 for per-thread"
-                )
-            self._order_stream(stream)
-        if device_type != self.dlpack_device_type:
+            self._wait_on_stream(stream, device_type)
+        if device_type != self.dlpack_device_type:  # pinned memory exported to the host
             return _dlpack.new_capsule(self._pack(versioned, device_type), anchor)
+        # The payloads were packed once (a view is immutable): an export is one C call.
+        payload = self._legacy_payload
         if versioned:
-            if self._versioned_payload is None:
-                self._versioned_payload = self._pack(versioned=True)
-            return _dlpack.new_capsule(self._versioned_payload, anchor)
-        return _dlpack.new_capsule(self._legacy_payload, anchor)
+            payload = self._versioned_payload or self._pack_versioned()
+        return _dlpack.new_capsule(payload, anchor)
+
+    def _target_device(
+        self, dl_device: Any, copy: bool | None
+    ) -> tuple[tuple[int, int], bool | None]:
+        """The device an export with ``dl_device`` goes to and whether it copies: the view's
+        own device, or the host (in place for pinned memory, which the host reads once the
+        producer is done; a copy for device memory). ``BufferError`` for anything else."""
+        own_device = self.__dlpack_device__()
+        if dl_device is not None:
+            _check_pair(dl_device, "dl_device")
+            dl_device = (int(dl_device[0]), dl_device[1])
+        if dl_device is None or dl_device == own_device:
+            return own_device, copy
+        device_type = self.dlpack_device_type
+        if dl_device == (K_DL_CPU, 0) and device_type in _HOST_DEVICE_TYPES:
+            if not copy:  # a host consumer has no stream: wait for pending device writes
+                _wait_for_producer(self.owner)
+            return (K_DL_CPU, 0), copy
+        if dl_device == (K_DL_CPU, 0) and device_type in _STREAM_DEVICE_TYPES:
+            if copy is False:
+                raise BufferError(
+                    f"exporting this view on {self.device} to the host {dl_device} needs "
+                    "a copy, and copy=False forbids it"
+                )
+            return (K_DL_CPU, 0), True
+        raise BufferError(
+            f"cannot export to device {dl_device}: the view lives on {own_device}; "
+            f"only {own_device} or the host (1, 0) can be asked for"
+        )
+
+    def _wait_on_stream(self, stream: int, device_type: int) -> None:
+        """Check the consumer's ``stream`` for ``device_type`` and order it after the owner's
+        pending producer work."""
+        if device_type not in _STREAM_DEVICE_TYPES:
+            raise BufferError(f"stream must be None for a CPU view, got {stream!r}")
+        if stream == 0 and device_type in (K_DL_CUDA, K_DL_CUDA_HOST):
+            raise BufferError(
+                "stream 0 is ambiguous on CUDA (the array API disallows it): "
+                "pass 1 for the legacy default stream, 2 for per-thread"
+            )
+        self._order_stream(stream)
+
+    def _pack_versioned(self) -> _dlpack.Payload:
+        """The versioned payload, packed on first use and kept."""
+        payload = self._versioned_payload = self._pack(versioned=True)
+        return payload
 
     def _order_stream(self, stream: int) -> None:
         """Make the consumer's ``stream`` wait for the owner's pending producer work (the
@@ -300,12 +356,15 @@ class BufferView:
         )
 
     # -- framework adapters -------------------------------------------------------------
-    def to_numpy(self) -> np.ndarray:
-        """A numpy array over the same bytes (host memory only), zero-copy and writable.
+    def to_numpy(self, dtype: DTypeLike | None = None, shape: Any = None) -> np.ndarray:
+        """A numpy array over the same bytes (as ``dtype`` / ``shape`` when given, like
+        :meth:`to_torch` and :meth:`to_jax`), host memory only, zero-copy and writable.
 
         The array is an export like a capsule: it keeps the owner's memory alive and counts
         in its live exports until it (and every array derived from it) is gone.
         """
+        if dtype is not None or shape is not None:
+            return self.view(dtype, shape).to_numpy()
         if self.dlpack_device_type not in _HOST_DEVICE_TYPES:
             raise BufferError(f"to_numpy needs host memory; this view is on {self.device}")
         anchor = _dlpack.anchor_for(self.owner)
@@ -314,9 +373,7 @@ class BufferView:
         # count as any export. numpy cannot import bfloat16: its bits go as uint16.
         bfloat16 = self.dtype.name == "bfloat16"
         if self.dlpack_device_type == K_DL_CPU and not bfloat16:
-            if self._versioned_payload is None:
-                self._versioned_payload = self._pack(versioned=True)
-            payload = self._versioned_payload
+            payload = self._versioned_payload or self._pack_versioned()
         else:
             host = self.view("uint16", self.shape) if bfloat16 else self
             payload = host._pack(True, K_DL_CPU)
@@ -325,7 +382,7 @@ class BufferView:
             array.flags.writeable = False
         return array.view(self.dtype.numpy) if bfloat16 else array
 
-    def to_torch(self, dtype: Any = None, shape: Any = None):
+    def to_torch(self, dtype: DTypeLike | None = None, shape: Any = None):
         """A torch tensor over the same bytes (as ``dtype`` / ``shape`` when given), zero-copy,
         on this view's device, through the torch adapter
         (:meth:`jaxbuf.interop.torch.TorchAdapter.from_view`): pending producer work is
@@ -335,7 +392,7 @@ class BufferView:
         adapter = _adapters.get("torch") or _adapter("torch")
         return adapter.from_view(target)
 
-    def to_jax(self, dtype: Any = None, shape: Any = None):
+    def to_jax(self, dtype: DTypeLike | None = None, shape: Any = None):
         """A JAX array over the same bytes (as ``dtype`` / ``shape`` when given), zero-copy,
         through the JAX adapter (:meth:`jaxbuf.interop.jax.JaxAdapter.from_view`:
         ``jax.dlpack.from_dlpack(..., copy=False)``); the array keeps the owner's memory alive.

@@ -72,7 +72,7 @@ def test_other_device_index_is_rejected(driver):
 def test_reserve_map_write_read_unmap_release(driver):
     size = 4 * PAGE
     base = driver.reserve(size)
-    assert maps_permissions(base, size) == {"---p"}
+    assert maps_permissions(base, size) == {"r--p"}
     first, second = driver.create(2 * PAGE, 0), driver.create(2 * PAGE, 0)
     driver.map(base, 2 * PAGE, first)
     driver.map(base + 2 * PAGE, 2 * PAGE, second)
@@ -83,13 +83,13 @@ def test_reserve_map_write_read_unmap_release(driver):
     driver.memset(base, 0xAB, 2 * PAGE, 0)
     driver.memset(base + 2 * PAGE, 0xCD, 2 * PAGE, 0)
     driver.unmap(base, 2 * PAGE)
-    assert maps_permissions(base, 2 * PAGE) == {"---p"}
+    assert maps_permissions(base, 2 * PAGE) == {"r--p"}
     assert ctypes.string_at(base + 2 * PAGE, 2 * PAGE) == b"\xcd" * (2 * PAGE)
 
     driver.release(first)
     driver.unmap(base + 2 * PAGE, 2 * PAGE)
     driver.release(second)  # after unmap, as the buffer layer does
-    assert maps_permissions(base, size) == {"---p"}
+    assert maps_permissions(base, size) == {"r--p"}
     driver.free_reserved(base, size)
 
 
@@ -144,7 +144,7 @@ def test_mapped_chunks_hold_no_file_descriptors(driver):
     for chunk in chunks:
         driver.release(chunk)
     assert open_fd_count() == before
-    assert maps_permissions(base, count * PAGE) == {"---p"}
+    assert maps_permissions(base, count * PAGE) == {"r--p"}
     driver.free_reserved(base, count * PAGE)
 
 
@@ -161,7 +161,7 @@ def test_reserve_honours_alignment(driver, alignment):
     size = 5 * PAGE
     base = driver.reserve(size, alignment)
     assert base % max(alignment, PAGE) == 0
-    assert maps_permissions(base, size) == {"---p"}
+    assert maps_permissions(base, size) == {"r--p"}
     chunk = driver.create(PAGE, 0)
     driver.map(base + size - PAGE, PAGE, chunk)  # the last page belongs to the reservation
     driver.unmap(base + size - PAGE, PAGE)

@@ -579,8 +579,8 @@ def test_no_driver_call_while_finalizing(device, tracked):
     buf.resize_per_segment_(MiB)
     calls = dict(tracked.calls)
     buf._buffer.__del__(
-        _release=lambda release, what: release_when_collected(
-            release, what, _is_finalizing=lambda: True
+        _release=lambda release, what, **kwargs: release_when_collected(
+            release, what, _is_finalizing=lambda: True, **kwargs
         )
     )
     assert tracked.calls == calls

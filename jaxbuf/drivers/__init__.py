@@ -104,7 +104,12 @@ def get_vmm_driver(device: Any = None) -> VmmDriver:
     name = platform if platform == "cpu" and index == 0 else f"{platform}:{index}"
     reason = driver.unavailable_reason()
     if reason is not None:
-        raise RuntimeError(f"device {name} is unavailable: {reason}")
+        hint = (
+            ' Use device="cpu": the CPU driver runs the same API on any Linux machine.'
+            if platform != "cpu"
+            else ""
+        )
+        raise RuntimeError(f"device {name} is unavailable: {reason}{hint}")
     count = driver.device_count()
     if not 0 <= index < count:
         raise ValueError(f"no device {name}: the {platform} driver sees {count} device(s)")

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxbuf._errors import attempt
+from jaxbuf._lifetime import release_when_collected
 
 # DLPack device types (dlpack.h, DLDeviceType).
 K_DL_CPU = 1
@@ -301,6 +302,42 @@ class VmmDriver(abc.ABC):
             settle_failed_launch(self, error, copy, device_index)
             raise
 
+    # -- plain device memory --------------------------------------------------------
+    def device_alloc(self, size: int, device_index: int) -> DeviceMemory:
+        """``size`` bytes (at least one granule's worth is taken) of device memory, mapped and
+        accessible to ``device_index`` at once: a :class:`DeviceMemory`, released by its
+        ``release()`` or when it is collected. For memory that never grows (the copy a
+        ``BufferView.__dlpack__(copy=True)`` makes on a device).
+
+        All or nothing: a failure undoes what was done and raises :class:`DriverError`. This
+        default is reserve, create, map and set access through this driver's own calls.
+        """
+        granularity = self.granularity(device_index)
+        size = -(-max(size, 1) // granularity) * granularity
+        self.ensure_context(device_index)
+        ptr = self.reserve(size, granularity)
+        try:
+            handle = self.create(size, device_index)
+        except BaseException as error:
+            attempt(error, "device_alloc rollback: free_reserved", self.free_reserved, ptr, size)
+            raise
+        try:
+            self.map(ptr, size, handle)
+        except BaseException as error:
+            attempt(error, "device_alloc rollback: release", self.release, handle)
+            attempt(error, "device_alloc rollback: free_reserved", self.free_reserved, ptr, size)
+            raise
+        try:
+            self.set_access(ptr, size, device_index)
+        except BaseException as error:
+            if attempt(error, "device_alloc rollback: unmap", self.unmap, ptr, size):
+                attempt(error, "device_alloc rollback: release", self.release, handle)
+                attempt(
+                    error, "device_alloc rollback: free_reserved", self.free_reserved, ptr, size
+                )
+            raise
+        return DeviceMemory(self, device_index, ptr, size, handle)
+
     # -- pinned host memory ---------------------------------------------------------
     @abc.abstractmethod
     def host_alloc(self, size: int, device_index: int) -> tuple[int, int]:
@@ -321,3 +358,54 @@ def settle_failed_launch(
     if copy is not None:
         what = "waiting for the copy enqueued before the failed launch"
         attempt(error, what, driver.synchronize, device_index)
+
+
+class DeviceMemory:
+    """Plain device memory from :meth:`VmmDriver.device_alloc`: ``ptr``, ``size`` (whole
+    granules), one chunk mapped over one reservation.
+
+    :meth:`release` synchronizes the device (kernels may still read it), then unmaps, releases
+    and frees; each step is done once, so a call after a driver failure retries what is left.
+    Collected unreleased, it releases itself; a failure there is queued for a retry at the
+    next use of the driver (:mod:`jaxbuf._lifetime`). It calls into no framework, so it is safe
+    from a DLPack deleter.
+    """
+
+    __slots__ = ("driver", "device_index", "ptr", "size", "_handle", "_mapped", "__weakref__")
+
+    def __init__(self, driver: VmmDriver, device_index: int, ptr: int, size: int, handle: Any):
+        self.driver = driver
+        self.device_index = device_index
+        self.ptr = ptr
+        self.size = size
+        self._handle = handle
+        self._mapped = True
+
+    @property
+    def released(self) -> bool:
+        return not self.ptr
+
+    def release(self) -> None:
+        if not self.ptr:
+            return
+        driver = self.driver
+        driver.synchronize(self.device_index)
+        if self._mapped:
+            driver.unmap(self.ptr, self.size)
+            self._mapped = False
+        if self._handle is not None:
+            driver.release(self._handle)
+            self._handle = None
+        driver.free_reserved(self.ptr, self.size)
+        self.ptr = 0
+
+    def __repr__(self) -> str:
+        state = "released" if not self.ptr else f"ptr={self.ptr:#x}"
+        return f"DeviceMemory({state}, size={self.size}, device={self.device_index})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("DeviceMemory cannot be pickled or copied: it owns a driver allocation")
+
+    def __del__(self, _release: Any = release_when_collected) -> None:
+        if getattr(self, "ptr", 0):
+            _release(self.release, "a device copy's memory", driver=self.driver)

@@ -3,10 +3,10 @@
 ==================  ==========================================================
 VMM call            host implementation
 ==================  ==========================================================
-``reserve``         ``mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)``
+``reserve``         ``mmap(PROT_READ, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)``: reads zeros
 ``create``          ``memfd_create`` + ``ftruncate`` (+ ``posix_fallocate``), mode 0600, sealed
 ``map``             ``mmap(fd, MAP_SHARED|MAP_FIXED)`` at the address, then ``close(fd)``
-``unmap``           ``mmap(PROT_NONE, ... MAP_FIXED)`` over the range (stays reserved)
+``unmap``           ``mmap(PROT_READ, ... MAP_FIXED)`` over the range (reserved, reads zeros)
 ``move_mapping``    ``mremap(MREMAP_FIXED|MREMAP_DONTUNMAP)``, then the source re-reserved
 ``export_handle``   ``open("/proc/self/map_files/<start>-<end>")`` of the chunk's mapping
 ``import_handle``   ``dup`` of the received memfd (mapped, then closed, like a created chunk)
@@ -14,6 +14,14 @@ VMM call            host implementation
 ``free_reserved``   ``mmap(PROT_NONE, ... MAP_FIXED)``, then quarantine (``munmap`` later)
 ``host_alloc``      anonymous private ``mmap`` (RW)
 ==================  ==========================================================
+
+**Uncommitted memory reads zeros.** A reservation, and every range a chunk is unmapped from,
+is a read-only private anonymous mapping: reading it gives zeros (the kernel's one shared zero
+page: no memory, no commit charge, as ``MAP_NORESERVE`` and read-only), writing it faults
+(``SIGSEGV``). So printing or copying a view that reaches past the committed bytes (a
+``full_view()``, a view kept over ``release_physical()``) shows zeros there instead of killing
+the process; only a write there is fatal. CUDA has no such mapping: there an uncommitted
+address faults the context, and only committed bytes may be touched at all.
 
 **Sealed chunks.** Every chunk's memfd is created with ``MFD_ALLOW_SEALING`` and sealed
 ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``: whoever holds a descriptor of it (a peer it was
@@ -31,7 +39,10 @@ FIFO (``quarantine_bytes`` of address space, ``quarantine_ranges`` ranges); only
 ranges beyond those bounds are ``munmap``-ed. A stale view of a freed buffer then faults
 (``SIGSEGV``) instead of reading whatever a later ``mmap`` placed at the same address. A range
 larger than the whole budget is unmapped at once. :meth:`HostVmmDriver.flush_quarantine` unmaps
-everything parked.
+everything parked. Parked ranges count against the address-space limit (``RLIMIT_AS``): under a
+finite limit the budget is at most a quarter of it, and a ``reserve`` that fails with
+``ENOMEM`` drains the quarantine and retries once (CuPy's habit with its pinned-memory cache),
+so freed buffers never make a new one fail while nothing is alive.
 
 Like the CUDA driver, this one trusts its caller (the buffer layer) to pass addresses inside its
 own reservations: ``MAP_FIXED`` replaces whatever is mapped there. Arguments the kernel would
@@ -48,6 +59,7 @@ import functools
 import mmap
 import os
 import platform as _platform
+import resource
 import stat
 import sys
 import threading
@@ -59,6 +71,8 @@ __all__ = ["HostChunk", "HostVmmDriver"]
 
 # Linux values; Python's mmap module exports none of PROT_NONE, MAP_FIXED, MAP_NORESERVE.
 _PROT_NONE = 0
+# Reservations (and unmapped ranges) read as zeros and fault on writes; see the docstring.
+_PROT_RESERVED = mmap.PROT_READ
 _PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
 _MAP_FIXED = 0x10  # the same on every Linux architecture
 _MACHINE = _platform.machine().lower()
@@ -164,8 +178,9 @@ class HostVmmDriver(VmmDriver):
     State: ``_host_allocations`` (``host_ptr -> size`` of live :meth:`host_alloc` blocks), so
     :meth:`host_free` knows what to ``munmap``; and the quarantine of freed reservations (see
     the module docstring), bounded by ``quarantine_bytes`` of address space (default 64 GiB;
-    ``PROT_NONE`` ranges cost no memory) and ``quarantine_ranges`` ranges (default 4096, well
-    under ``vm.max_map_count``). ``quarantine_bytes=0`` unmaps at once, as plain ``munmap``.
+    ``PROT_NONE`` ranges cost no memory; at most a quarter of a finite ``RLIMIT_AS``) and
+    ``quarantine_ranges`` ranges (default 4096, well under ``vm.max_map_count``).
+    ``quarantine_bytes=0`` unmaps at once, as plain ``munmap``.
 
     Thread-safe: the one shared instance serves every thread; calls on distinct allocations
     may run concurrently (callers serialize calls on the same allocation).
@@ -239,10 +254,10 @@ class HostVmmDriver(VmmDriver):
         if not isinstance(alignment, int) or alignment < 0 or alignment % mmap.PAGESIZE:
             raise DriverError("reserve", "EINVAL", size=size, alignment=alignment)
         if alignment <= mmap.PAGESIZE:
-            return _mmap(None, size, _PROT_NONE, _MAP_RESERVE_FLAGS, -1, alignment=alignment)
+            return self._reserve_address_space(size, alignment)
         # mmap only promises page alignment: over-reserve, then trim both ends.
         padded = size + alignment - mmap.PAGESIZE
-        raw = _mmap(None, padded, _PROT_NONE, _MAP_RESERVE_FLAGS, -1, alignment=alignment)
+        raw = self._reserve_address_space(padded, alignment)
         base = -(-raw // alignment) * alignment
         try:
             if base > raw:
@@ -254,9 +269,29 @@ class HostVmmDriver(VmmDriver):
             raise
         return base
 
+    def _reserve_address_space(self, size: int, alignment: int) -> int:
+        """A fresh reservation; on ``ENOMEM`` the quarantine is drained and the call retried
+        once (parked ranges are address space nothing uses)."""
+        try:
+            return _mmap(None, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS, -1, alignment=alignment)
+        except DriverError as error:
+            if error.error_name != "ENOMEM" or not self.quarantined[0]:
+                raise
+            self.flush_quarantine()
+        return _mmap(None, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS, -1, alignment=alignment)
+
+    def _quarantine_budget(self) -> int:
+        """``quarantine_bytes``, capped at a quarter of a finite ``RLIMIT_AS``: parked ranges
+        count against that limit."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return self.quarantine_bytes
+        return min(self.quarantine_bytes, soft // 4)
+
     def free_reserved(self, ptr: int, size: int) -> None:
         _check_args("munmap", size, ptr)
-        if size > self.quarantine_bytes or not self.quarantine_ranges:
+        budget = self._quarantine_budget()
+        if size > budget or not self.quarantine_ranges:
             _munmap(ptr, size)
             return
         # One MAP_FIXED call drops whatever is still mapped and keeps the range reserved, so
@@ -271,8 +306,7 @@ class HostVmmDriver(VmmDriver):
             self._quarantine.append((ptr, size))
             self._quarantined_bytes += size
             while (
-                self._quarantined_bytes > self.quarantine_bytes
-                or len(self._quarantine) > self.quarantine_ranges
+                self._quarantined_bytes > budget or len(self._quarantine) > self.quarantine_ranges
             ):
                 old = self._quarantine.popleft()
                 self._quarantined_bytes -= old[1]
@@ -340,13 +374,13 @@ class HostVmmDriver(VmmDriver):
 
     def unmap(self, ptr: int, size: int) -> None:
         _check_args("mmap", size, ptr)
-        # One MAP_FIXED call swaps the shared pages for a fresh PROT_NONE reservation;
+        # One MAP_FIXED call swaps the shared pages for a fresh reservation (reading zeros);
         # munmap + mmap would leave a window in which another thread could take the range.
-        _mmap(ptr, size, _PROT_NONE, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr))
+        _mmap(ptr, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr))
 
     def move_mapping(self, handle: HostChunk, src_ptr: int, dst_ptr: int, size: int) -> None:
         """Move the chunk's mapping with ``mremap`` (the pages move, nothing is copied), then
-        re-reserve the source range with one ``MAP_FIXED`` ``PROT_NONE`` mapping.
+        re-reserve the source range with one ``MAP_FIXED`` reservation mapping (reads zeros).
 
         ``MREMAP_DONTUNMAP`` (Linux >= 5.13 for shared mappings) keeps the source range
         mapped until the re-reservation replaces it, so no other thread can take it in
@@ -391,7 +425,7 @@ class HostVmmDriver(VmmDriver):
             _mmap(
                 src_ptr,
                 size,
-                _PROT_NONE,
+                _PROT_RESERVED,
                 reserve_flags,
                 -1,
                 ptr=hex(src_ptr),
@@ -406,7 +440,7 @@ class HostVmmDriver(VmmDriver):
                     _mmap(
                         dst_ptr,
                         size,
-                        _PROT_NONE,
+                        _PROT_RESERVED,
                         _MAP_RESERVE_FLAGS | _MAP_FIXED_NOREPLACE,
                         -1,
                         ptr=hex(dst_ptr),

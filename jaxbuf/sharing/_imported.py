@@ -22,7 +22,7 @@ from jaxbuf._lifetime import release_when_collected
 from jaxbuf._owner import Lifetime
 from jaxbuf._resolve import resolve
 from jaxbuf._segments import SegmentedReservation
-from jaxbuf.devices import as_device
+from jaxbuf.devices import DeviceLike, as_device
 from jaxbuf.drivers.base import VmmDriver
 from jaxbuf.sharing._layout import _check_layout
 from jaxbuf.sharing._wire import DEFAULT_TIMEOUT, _close_all, recv_layout
@@ -54,6 +54,12 @@ class _Mappings:
         self.reserved_size = reserved_size
         self.read_only = read_only
         self.chunks: dict[int, tuple[int, int, Any]] = {}
+        # Chunks the owner dropped while arrays exported here were alive: still mapped (the
+        # arrays read them), unmapped once no export is left (update, close, collection).
+        self.retired: list[tuple[int, int, Any]] = []
+        # Handles unmapped whose driver release failed: released again by the next release
+        # step, never forgotten (a handle is dropped only once the driver released it).
+        self.unreleased: list[Any] = []
         self.base_ptr = 0  # first: __del__ of a half-built object must find it
         driver.ensure_context(index)
         self.base_ptr = driver.reserve(reserved_size, alignment)
@@ -77,29 +83,67 @@ class _Mappings:
                     f"layout says read_only={self.read_only}"
                 )
             driver.map(ptr, size, handle)
-        except BaseException:
-            driver.release(handle)
+        except BaseException as error:
+            self._release_handle(handle, error)
             raise
         try:
             driver.set_access(ptr, size, index)
         except BaseException as error:
             try:
                 driver.unmap(ptr, size)
-                driver.release(handle)
             except Exception as rollback_error:  # noqa: BLE001 - reported as a note
                 error.add_note(
                     f"rollback failed too: {rollback_error!r}; the chunk stays tracked and "
                     "its release retries it"
                 )
                 self.chunks[chunk_id] = (offset, size, handle)
+            else:
+                self._release_handle(handle, error)
             raise
         self.chunks[chunk_id] = (offset, size, handle)
 
+    def _release_handle(self, handle: Any, error: BaseException) -> None:
+        """Release an unmapped ``handle`` during a rollback; on failure keep it in
+        ``unreleased`` (retried) and note the failure on ``error``."""
+        try:
+            self.driver.release(handle)
+        except Exception as release_error:  # noqa: BLE001 - reported as a note, kept
+            self.unreleased.append(handle)
+            error.add_note(f"rollback: release failed too (retried later): {release_error!r}")
+
     def unmap_chunk(self, chunk_id: int) -> None:
+        """Unmap a chunk, then release its handle: the handle is kept (``unreleased``) until
+        the driver has released it, so a failed release is retried, never lost."""
         offset, size, handle = self.chunks[chunk_id]
         self.driver.unmap(self.base_ptr + offset, size)
         del self.chunks[chunk_id]
-        self.driver.release(handle)
+        self.unreleased.append(handle)
+        self.release_unreleased()
+
+    def retire_chunk(self, chunk_id: int) -> None:
+        """Stop following a chunk the owner dropped, leaving it mapped for live arrays."""
+        self.retired.append(self.chunks.pop(chunk_id))
+
+    def unmap_retired(self) -> None:
+        """Unmap the retired chunks (no export may use them any more)."""
+        while self.retired:
+            offset, size, handle = self.retired[-1]
+            self.driver.unmap(self.base_ptr + offset, size)
+            self.retired.pop()
+            self.unreleased.append(handle)
+        self.release_unreleased()
+
+    def release_unreleased(self) -> None:
+        """Release every handle in ``unreleased``; the first failure is raised (with the
+        others as notes) and the failed handles stay."""
+        cleanup = Cleanup("ImportedBuffer: releasing chunk handles")
+        for handle in list(self.unreleased):
+            if cleanup.run(self.driver.release, handle):
+                self.unreleased.remove(handle)
+        cleanup.raise_first()
+
+    def overlaps_retired(self, offset: int, size: int) -> bool:
+        return any(o < offset + size and offset < o + n for o, n, _ in self.retired)
 
     def release(self) -> None:
         """Unmap and release every chunk, then free the reservation. Idempotent.
@@ -116,6 +160,8 @@ class _Mappings:
         cleanup = Cleanup("ImportedBuffer.close")
         for chunk_id in list(self.chunks):
             cleanup.run(self.unmap_chunk, chunk_id)
+        cleanup.run(self.unmap_retired)
+        cleanup.run(self.release_unreleased)
         if not cleanup.errors and cleanup.run(
             driver.free_reserved, self.base_ptr, self.reserved_size
         ):
@@ -169,7 +215,7 @@ class ImportedBuffer(SegmentedReservation):
         self,
         layout: dict,
         fds: Sequence[int],
-        device: Any = None,
+        device: DeviceLike | None = None,
         driver: VmmDriver | None = None,
     ) -> None:
         self.base_ptr = 0
@@ -243,6 +289,12 @@ class ImportedBuffer(SegmentedReservation):
         On failure the chunks mapped so far stay (each mapped and granted), and every
         segment keeps the larger of its old and new committed size that the mapped chunks
         cover (else 0), so a view never reaches unmapped memory.
+
+        Arrays exported earlier keep their mappings: while any is alive, chunks the owner
+        dropped stay mapped (unmapped by a later update, or by :meth:`close`, once none is
+        left), and a layout that puts a new chunk where such a chunk is raises
+        ``RuntimeError`` before anything changes. A failed driver ``release`` never loses a
+        handle: it is retried by the next update and by :meth:`close`.
         """
         try:
             mappings = self._open_mappings()
@@ -283,15 +335,41 @@ class ImportedBuffer(SegmentedReservation):
             _close_all(fds)
             raise
         new_sizes = [int(s) for s in layout["committed_sizes"]]
+        exported = self._lifetime.live_exports > 0
+        stale = [chunk_id for chunk_id in mappings.chunks if chunk_id not in live]
+        if exported:
+            # Arrays exported earlier keep their mappings (the owner contract): chunks the
+            # owner dropped stay mapped until the last export is gone, so a new chunk cannot
+            # take their place before then.
+            held = [mappings.chunks[c][:2] for c in stale]
+            blocked = [
+                (offset, chunk_id)
+                for offset, size, chunk_id in layout["chunks"]
+                if chunk_id not in mappings.chunks
+                and (
+                    mappings.overlaps_retired(offset, size)
+                    or any(o < offset + size and offset < o + n for o, n in held)
+                )
+            ]
+            if blocked:
+                _close_all(fds)
+                raise RuntimeError(
+                    f"cannot follow the owner: {self._lifetime.live_exports} array(s) "
+                    "exported from this import may still read chunks the owner dropped, "
+                    f"where it now sends chunks {blocked} (offset, id); nothing changed: "
+                    "drop those arrays, then have the owner send_buffer again"
+                )
         try:
             driver, index = self._driver, self._device.index
             driver.ensure_context(index)
-            stale = [chunk_id for chunk_id in mappings.chunks if chunk_id not in live]
-            if stale:
+            if not exported and (stale or mappings.retired):
                 # The device may still read the old chunks (this process's kernels).
                 driver.synchronize(index)
+                mappings.unmap_retired()
                 for chunk_id in stale:  # first: a replacement may overlap them
                     mappings.unmap_chunk(chunk_id)
+            for chunk_id in stale if exported else ():
+                mappings.retire_chunk(chunk_id)
             for (offset, size, chunk_id), fd in zip(layout["chunks"], fds):
                 if chunk_id not in mappings.chunks:
                     mappings.map_chunk(chunk_id, offset, size, fd)
@@ -322,7 +400,9 @@ class ImportedBuffer(SegmentedReservation):
         return self.base_ptr
 
     def full_view(self) -> BufferView:
-        """Uint8 view over the whole reservation (only committed bytes may be touched)."""
+        """Uint8 view over the whole reservation: as :meth:`ExtensibleTensor.full_view
+        <jaxbuf.ExtensibleTensor.full_view>`, only the committed prefixes may be touched (on
+        the CPU the rest reads zeros, a write faults); a copy reads committed bytes only."""
         return self._view(0, self._reserved_size)
 
     # -- the owner contract (jaxbuf._owner.MemoryOwner): hot path, one read each ----------
@@ -429,7 +509,8 @@ class ImportedBuffer(SegmentedReservation):
     def __repr__(self) -> str:
         lifetime = getattr(self, "_lifetime", None)
         if lifetime is None or not lifetime.closed:
-            state = f"committed={getattr(self, '_committed', None)}"
+            committed = getattr(self, "_committed", [])
+            state = f"committed={committed}, nbytes={sum(committed)}, open"
         elif lifetime.released:
             state = "closed"
         else:
@@ -437,6 +518,7 @@ class ImportedBuffer(SegmentedReservation):
         if getattr(self, "_read_only", False):
             state += ", read-only"
         return (
-            f"ImportedBuffer(device={getattr(self, '_device', None)}, "
-            f"chunks={len(self._chunks)}, {state})"
+            f"ImportedBuffer(device={getattr(self, '_device', None)}, dtype=uint8, "
+            f"shape=({getattr(self, '_reserved_size', 0)},), chunks={len(self._chunks)}, "
+            f"{state})"
         )

@@ -6,14 +6,16 @@ memory (see :class:`~jaxbuf.uva.UvaBufferPool`), so closing or dropping it is al
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import interop
 from .._checks import as_int
+from ..devices import DeviceLike
 from ..drivers.base import VmmDriver
-from ..dtypes import canonical_dtype
+from ..dtypes import DTypeLike, canonical_dtype
 from ._buffers import _as_shape
 from ._memory import _refuse_copy
 from ._pool import UvaBufferPool
@@ -32,10 +34,10 @@ class UvaBackedTensor:
 
     def __init__(
         self,
-        size: Any,
-        dtype: Any,
+        size: int | Sequence[int],
+        dtype: DTypeLike,
         max_concurrency: int | None = None,
-        device: Any = None,
+        device: DeviceLike | None = None,
         *,
         framework: str | None = None,
         guarded: bool | str = False,
@@ -45,6 +47,7 @@ class UvaBackedTensor:
         shape, dtype = _as_shape(size), canonical_dtype(dtype)
         self.dtype = dtype
         self._cpu = None
+        self._closed = False
         # The pool first: it validates everything (a huge size included) before allocating.
         self.pool = UvaBufferPool(
             shape,
@@ -77,6 +80,30 @@ class UvaBackedTensor:
         self.gpu = self.pool.copy_to_uva(self.np if n is None else self.np[:n], stream)
         return self.gpu
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of ``np``, the host array published."""
+        return self.np.nbytes
+
+    @property
+    def device(self) -> Any:
+        """The pool's device."""
+        return self.pool.device
+
     def close(self) -> None:
         """Close the pool (see :meth:`UvaBufferPool.close`)."""
         self.pool.close()
+        self._closed = True
+
+    def __enter__(self) -> UvaBackedTensor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"UvaBackedTensor(device={self.pool.device}, dtype={self.dtype}, "
+            f"shape={self.np.shape}, nbytes={self.np.nbytes}, {state})"
+        )

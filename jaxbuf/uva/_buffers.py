@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,9 +24,9 @@ from .._checks import as_int, as_shape
 from .._errors import ClosedError
 from .._owner import Lifetime
 from .._resolve import resolve
-from ..devices import Device, as_device, default_device
+from ..devices import Device, DeviceLike, as_device, default_device
 from ..drivers.base import K_DL_CPU, VmmDriver
-from ..dtypes import DType, canonical_dtype
+from ..dtypes import DType, DTypeLike, canonical_dtype
 from ..views import BufferView
 from ._memory import (
     _check_host_bytes,
@@ -96,9 +97,12 @@ class _BufferBase:
         return self.shape[0]
 
     def __repr__(self) -> str:
-        state = ", freed" if self._closed else ""
+        state = "freed" if self._closed else "open"
         name = type(self).__name__
-        return f"{name}(shape={self.shape}, dtype={self.dtype}, device={self.device}{state})"
+        return (
+            f"{name}(device={self.device}, dtype={self.dtype}, shape={self.shape}, "
+            f"nbytes={self.nbytes}, {state})"
+        )
 
     def __enter__(self):
         return self
@@ -277,7 +281,12 @@ class UvaBuffer(_BufferBase):
     """
 
     def __init__(
-        self, size: Any, dtype: Any, device: Any = None, *, driver: VmmDriver | None = None
+        self,
+        size: int | Sequence[int],
+        dtype: DTypeLike,
+        device: DeviceLike | None = None,
+        *,
+        driver: VmmDriver | None = None,
     ) -> None:
         shape, dtype = _as_shape(size), canonical_dtype(dtype)
         device, driver = resolve(device, driver)
@@ -360,7 +369,12 @@ class NonUvaBuffer(_BufferBase):
     """
 
     def __init__(
-        self, size: Any, dtype: Any, device: Any = None, *, driver: VmmDriver | None = None
+        self,
+        size: int | Sequence[int],
+        dtype: DTypeLike,
+        device: DeviceLike | None = None,
+        *,
+        driver: VmmDriver | None = None,
     ) -> None:
         from ..extensible import ExtensibleTensor
 
@@ -368,6 +382,7 @@ class NonUvaBuffer(_BufferBase):
         device, driver = resolve(device, driver)
         self._init_common(shape, dtype, device)
         self.np = np.zeros(shape, dtype.numpy)
+        self._checked_np = self.np  # the array _copy_rows last checked: a rebinding is seen
         nbytes = max(self.nbytes, 1)
         tensor = ExtensibleTensor(nbytes, device=device, driver=driver)
         try:
@@ -389,12 +404,35 @@ class NonUvaBuffer(_BufferBase):
     def jax_pinned_host_array(self) -> Any:
         raise BufferError("NonUvaBuffer has no pinned host memory; use jax_device_array")
 
+    def _host_source(self) -> np.ndarray:
+        """``np``, checked again whenever it was rebound (one identity test otherwise): the
+        copy reads ``nbytes`` from it, so it must be a C-contiguous array of the buffer's
+        shape and dtype (``ValueError`` / ``TypeError`` naming what it is)."""
+        array = self.np
+        if array is not self._checked_np:
+            if not isinstance(array, np.ndarray):
+                raise TypeError(
+                    f"{type(self).__name__}.np was rebound to {type(array).__name__}; it must "
+                    f"be a numpy array of shape {self.shape} and dtype {self.dtype}"
+                )
+            if array.shape != self.shape or array.dtype != self.dtype.numpy:
+                raise ValueError(
+                    f"{type(self).__name__}.np was rebound to an array of shape {array.shape} "
+                    f"and dtype {array.dtype}; it must keep shape {self.shape} and dtype "
+                    f"{self.dtype} (write into it instead: buf.np[...] = values)"
+                )
+            if not array.flags.c_contiguous:
+                raise ValueError(f"{type(self).__name__}.np was rebound to a non-contiguous array")
+            self._checked_np = array
+        return array
+
     def _copy_rows(self, n: int) -> None:
         self._check_open()
         nbytes = n * self._row_bytes
         if nbytes:
             driver, index = self._driver, self.device.index
-            driver.copy(self._device_view.ptr, self.np.ctypes.data, nbytes, index)
+            source = self._host_source()
+            driver.copy(self._device_view.ptr, source.ctypes.data, nbytes, index)
             self._set_ready_event(driver.record_ready_event(index))
 
     def _publish(self, framework: str, n: int) -> Any:
