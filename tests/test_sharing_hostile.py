@@ -511,8 +511,8 @@ def test_read_only_import_cannot_write():
     assert result["intact"]
     peer = result["peer"]
     assert peer["read_only"] and peer["layout_read_only"]
-    # Mapped PROT_READ where chunks are, PROT_NONE elsewhere in the reservation: nothing "w".
-    assert set(peer["perms"]) <= {"r--s", "---p"} and "r--s" in peer["perms"], peer["perms"]
+    # Mapped PROT_READ where chunks are, the read-only zero reservation elsewhere: nothing "w".
+    assert set(peer["perms"]) <= {"r--s", "r--p"} and "r--s" in peer["perms"], peer["perms"]
     assert peer["mprotect"] == "EACCES"  # the peer cannot make it writable
     assert not peer["writeable"] and "read-only" in peer["numpy_write"]
     assert peer["upgrade"] == "EACCES"  # and the driver will not re-export it read-write

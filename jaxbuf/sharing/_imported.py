@@ -18,7 +18,7 @@ from typing import Any
 from jaxbuf import interop
 from jaxbuf._errors import Cleanup, ClosedError
 from jaxbuf._intervals import IntervalSet
-from jaxbuf._lifetime import release_when_collected
+from jaxbuf._lifetime import release_when_collected, retry_deferred
 from jaxbuf._owner import Lifetime
 from jaxbuf._resolve import resolve
 from jaxbuf._segments import SegmentedReservation
@@ -155,6 +155,7 @@ class _Mappings:
         if not self.base_ptr:
             return
         driver, index = self.driver, self.index
+        retry_deferred(driver)  # releases that failed in a finalizer: retried at next use
         driver.ensure_context(index)
         driver.synchronize(index)
         cleanup = Cleanup("ImportedBuffer.close")
@@ -173,7 +174,7 @@ class _Mappings:
 
     def __del__(self, _release: Any = release_when_collected) -> None:
         if getattr(self, "base_ptr", 0):
-            _release(self.release, "the mappings of an ImportedBuffer")
+            _release(self.release, "the mappings of an ImportedBuffer", driver=self.driver)
 
 
 class ImportedBuffer(SegmentedReservation):
