@@ -429,14 +429,12 @@ class ExtensibleTensor(SegmentedReservation):
     def release_physical(self) -> None:
         """Drop all physical pages but keep the reservation and its views.
 
-        Waits first for the frameworks' pending work on this device
-        (:func:`jaxbuf.interop.quiesce`: JAX's asynchronously dispatched computations, torch's
-        CUDA queue), as :meth:`free` does, then for the device. Every segment's committed size
-        becomes 0. The one operation that invalidates live arrays: they keep their address;
-        until a grow commits memory again, on the CPU driver reading them gives zeros and
-        writing them faults (``SIGSEGV``), on CUDA touching them at all faults. After a grow
-        they work (fresh CPU memory reads zeros; CUDA memory is undefined without
-        ``zero_new``).
+        Waits first for the frameworks' pending work (:func:`jaxbuf.interop.quiesce`), as
+        :meth:`free` does, then for the device. Every committed size becomes 0. The one
+        operation that invalidates live arrays: they keep their address; until a grow, on the
+        CPU reading them gives zeros and writing faults (``SIGSEGV``), on CUDA any access
+        faults. After a grow they work (fresh CPU memory reads zeros; CUDA memory is
+        undefined without ``zero_new``).
 
         A mapping listener (:meth:`add_mapping_listener`) that refuses raises here with
         nothing changed; a driver failure while releasing still drops the sizes.
@@ -445,9 +443,7 @@ class ExtensibleTensor(SegmentedReservation):
         # A registration that refuses (a transfer in flight) refuses before anything
         # changes, so the sizes stand; a driver failure after that drops them (see above).
         buffer.tell_unmapping()
-        # As free(): JAX's asynchronously dispatched work (and torch's CUDA queue) may still
-        # read the pages, which must not be unmapped under it.
-        interop.quiesce(self._device)
+        interop.quiesce(self._device)  # JAX's dispatched work may still read the pages
         try:
             buffer.release_physical(listeners_told=True)
         finally:

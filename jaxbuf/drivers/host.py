@@ -177,10 +177,9 @@ class HostVmmDriver(VmmDriver):
 
     State: ``_host_allocations`` (``host_ptr -> size`` of live :meth:`host_alloc` blocks), so
     :meth:`host_free` knows what to ``munmap``; and the quarantine of freed reservations (see
-    the module docstring), bounded by ``quarantine_bytes`` of address space (default 64 GiB;
-    ``PROT_NONE`` ranges cost no memory; at most a quarter of a finite ``RLIMIT_AS``) and
-    ``quarantine_ranges`` ranges (default 4096, well under ``vm.max_map_count``).
-    ``quarantine_bytes=0`` unmaps at once, as plain ``munmap``.
+    the module docstring), bounded by ``quarantine_bytes`` of address space (default 64 GiB,
+    at most a quarter of a finite ``RLIMIT_AS``) and ``quarantine_ranges`` ranges (default
+    4096). ``quarantine_bytes=0`` unmaps at once, as plain ``munmap``.
 
     Thread-safe: the one shared instance serves every thread; calls on distinct allocations
     may run concurrently (callers serialize calls on the same allocation).
@@ -270,8 +269,7 @@ class HostVmmDriver(VmmDriver):
         return base
 
     def _reserve_address_space(self, size: int, alignment: int) -> int:
-        """A fresh reservation; on ``ENOMEM`` the quarantine is drained and the call retried
-        once (parked ranges are address space nothing uses)."""
+        """A fresh reservation; on ``ENOMEM`` the quarantine is drained, then one retry."""
         try:
             return _mmap(None, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS, -1, alignment=alignment)
         except DriverError as error:
@@ -281,8 +279,8 @@ class HostVmmDriver(VmmDriver):
         return _mmap(None, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS, -1, alignment=alignment)
 
     def _quarantine_budget(self) -> int:
-        """``quarantine_bytes``, capped at a quarter of a finite ``RLIMIT_AS``: parked ranges
-        count against that limit."""
+        """``quarantine_bytes``, capped at a quarter of a finite ``RLIMIT_AS`` (parked ranges
+        count against it)."""
         soft, _ = resource.getrlimit(resource.RLIMIT_AS)
         if soft == resource.RLIM_INFINITY:
             return self.quarantine_bytes
