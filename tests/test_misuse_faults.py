@@ -239,6 +239,7 @@ def test_nonuva_refuses_a_rebound_array_of_another_shape():
 def test_free_racing_an_export_ends_in_an_error_never_a_signal():
     body = r"""
 import threading
+sys.setswitchinterval(1e-6)  # switch threads often: the race window is a few bytecodes
 outcomes = {"exported": 0, "refused": 0}
 for _ in range(300):
     buf = jaxbuf.ExtensibleTensor(2 * MiB, device="cpu")
@@ -246,7 +247,7 @@ for _ in range(300):
     view = buf.segment_view(0)
     arrays = []
     def export():
-        for _ in range(20):
+        for _ in range(200):
             try:
                 arrays.append(view.to_numpy())
             except RuntimeError:
