@@ -9,6 +9,7 @@ from __future__ import annotations
 import faulthandler
 import importlib.util
 import os
+import random
 import signal
 
 # JAX would otherwise take most of the GPU at its first use, starving VMM allocations.
@@ -28,6 +29,18 @@ def _missing(module: str) -> str | None:
     if importlib.util.find_spec(module) is None:
         return f"{module} is not installed"
     return None
+
+
+def pytest_configure(config):
+    # The state machine's random seed, drawn once in the controlling process (xdist workers
+    # inherit the environment), so that every worker runs the same seed; the header prints it.
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        os.environ.setdefault("JAXBUF_STATEFUL_SEED", str(random.SystemRandom().randrange(2**32)))
+
+
+def pytest_report_header(config):
+    seed = os.environ.get("JAXBUF_STATEFUL_SEED")
+    return f"state machine random seed: {seed} (JAXBUF_STATEFUL_SEED={seed} replays it)"
 
 
 # Set by tools/gpu_check.sh: a run on the GPU machine may be cut off before pytest's summary,

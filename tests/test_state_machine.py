@@ -46,6 +46,8 @@ WORKER = Path(__file__).with_name("_stateful_worker.py")
 EXAMPLES = int(os.environ.get("JAXBUF_STATEFUL_EXAMPLES", "8"))
 STEPS = int(os.environ.get("JAXBUF_STATEFUL_STEPS", "30"))
 FIXED_SEED = 20261201
+# One random seed per pytest session: tests/conftest.py draws it in the controlling process and
+# exports it, so every xdist worker collects the same tests and runs the same seed.
 RANDOM_SEED = int(os.environ.get("JAXBUF_STATEFUL_SEED") or random.SystemRandom().randrange(2**32))
 # A step that takes longer is a hang: the worker is killed and the example fails.
 STEP_TIMEOUT_S = float(os.environ.get("JAXBUF_STATEFUL_STEP_TIMEOUT", "120"))
@@ -376,7 +378,8 @@ def workers():
     _WORKERS.clear()
 
 
-@pytest.mark.parametrize("run_seed", [FIXED_SEED, RANDOM_SEED], ids=lambda s: f"seed={s}")
+# Ids name the kind of seed, not its value: xdist requires every worker to collect the same ids.
+@pytest.mark.parametrize("run_seed", [FIXED_SEED, RANDOM_SEED], ids=["fixed-seed", "random-seed"])
 def test_public_api_against_the_model(device, framework, run_seed, workers):
     if device == "cpu" and framework == "torch" and run_seed == RANDOM_SEED:
         print(f"random seed: {RANDOM_SEED} (JAXBUF_STATEFUL_SEED={RANDOM_SEED} replays it)")
