@@ -160,9 +160,9 @@ writer = FusedStagedWriter(64, device)
 launches = []
 launch = writer._launch
 writer._launch = lambda *args, **kwargs: (
-    launches.append(args[3]),
+    launches.append(args[0].num_writes),
     launch(*args, **kwargs),
-)  # args[3]: write count
+)  # args[0]: the launch's named arguments (kernels.StagedLaunch)
 
 for seq in range(num_seqs):
     block_table.stage_write(seq, 0, list(range(seq * 10, seq * 10 + seq + 1)))

@@ -252,8 +252,8 @@ class World:
                 raise
             if kind == "jax" and isinstance(error, BufferError):
                 raise  # JAX refuses 64-bit without x64, or a copy: documented
-            if kind == "numpy" and dtype == "bfloat16" and copy:
-                raise  # numpy's DLPack importer refuses bfloat16 (its RuntimeError)
+            if kind == "numpy" and dtype == "bfloat16" and (copy or self.device != "cpu"):
+                raise  # numpy's DLPack importer refuses bfloat16 (a copy on CUDA too)
             raise Violation(
                 f"export of segment {segment} as {kind}/{dtype} {shape}: {error!r}"
             ) from None

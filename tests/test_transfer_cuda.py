@@ -69,7 +69,7 @@ def test_fabric_refused_steps_down_to_posix_for_good(monkeypatch):
     cu, created = _stand_in(
         monkeypatch, {}, lambda call: cu.CUresult.CUDA_ERROR_NOT_PERMITTED if call[0] & 8 else None
     )
-    driver = _driver(shareable="fabric")
+    driver = _driver(shareable="fabric", rdma="auto")
     driver.create(2 * MiB, 0)
     driver.create(2 * MiB, 0)
     assert [mask for mask, _ in created] == [8 | 1, 1, 1]  # fabric | POSIX, then POSIX
@@ -90,7 +90,7 @@ def test_what_the_device_does_not_report_is_skipped_and_named(monkeypatch):
         },
         lambda call: None,
     )
-    driver = _driver(shareable="fabric")
+    driver = _driver(shareable="fabric", rdma="auto")
     driver.create(2 * MiB, 0)
     assert created == [(1, 0)]
     options = driver.allocation_options(0)
@@ -110,11 +110,11 @@ def test_rdma_refused_is_dropped_after_the_handle_types(monkeypatch):
     cu, created = _stand_in(
         monkeypatch, {}, lambda call: cu.CUresult.CUDA_ERROR_NOT_SUPPORTED if call[1] else None
     )
-    driver = _driver()  # the default: POSIX, RDMA where reported
+    driver = _driver(rdma="auto")  # POSIX (the default), RDMA where reported
     driver.create(2 * MiB, 0)
     assert created == [(1, 1), (0, 1), (0, 0)]  # POSIX, none, then no RDMA flag
     assert driver.allocation_options(0)["rdma"] is False
-    no_rdma = _driver(rdma=False)
+    no_rdma = _driver()  # the default: no RDMA flag (opt-in)
     no_rdma.create(2 * MiB, 0)
     assert created[-1] == (1, 0)
 
@@ -122,7 +122,7 @@ def test_rdma_refused_is_dropped_after_the_handle_types(monkeypatch):
 def test_out_of_memory_never_steps_down(monkeypatch):
     cu, created = _stand_in(monkeypatch, {}, lambda call: cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
     monkeypatch.setattr(cuda_driver, "release_cached_memory", lambda error: False)
-    driver = _driver(shareable="fabric")
+    driver = _driver(shareable="fabric", rdma="auto")
     with pytest.raises(DriverError, match="OUT_OF_MEMORY"):
         driver.create(2 * MiB, 0)
     assert created == [(9, 1)]

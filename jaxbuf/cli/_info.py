@@ -72,7 +72,9 @@ def _allocations() -> list[list[str]]:
     rows = []
     for index in range(get_vmm_driver("cuda").device_count()):
         try:
-            options = CudaVmmDriver(shareable="fabric").allocation_options(index, probe=True)
+            options = CudaVmmDriver(shareable="fabric", rdma="auto").allocation_options(
+                index, probe=True
+            )
         except Exception as error:  # noqa: BLE001 - reported in the table
             rows.append([f"cuda:{index}", "unknown", one_line(str(error))])
             continue

@@ -93,7 +93,7 @@ class CudaVmmDriver(CudaAllocation, CudaStreamWork, VmmDriver):
     _UNPROBED: Any = object()
 
     def __init__(
-        self, binding: Any = None, *, shareable: str = "posix", rdma: str | bool = "auto"
+        self, binding: Any = None, *, shareable: str = "posix", rdma: str | bool = False
     ) -> None:
         """``binding``: the driver-API module the methods call (default ``cuda.bindings.driver``,
         looked up when the driver is made; a HIP subclass passes its own).
@@ -107,10 +107,10 @@ class CudaVmmDriver(CudaAllocation, CudaStreamWork, VmmDriver):
         matters across hosts only, and costs one refused ``cuMemCreate`` per device
         without IMEX); ``"none"`` asks for no shareable handle.
         ``rdma``: create chunks ``gpuDirectRDMACapable`` (NICs read and write them directly,
-        as NIXL/UCX over InfiniBand need); ``"auto"`` where the device reports
-        ``GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`` (dropped for good if ``cuMemCreate``
-        refuses it), True to require it, False never. :meth:`allocation_options` reports
-        what chunks get, and why not more.
+        as NIXL/UCX over InfiniBand need); opt-in like fabric: False (the default) never,
+        ``"auto"`` where the device reports ``GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED``
+        (dropped for good if ``cuMemCreate`` refuses it), True to require it.
+        :meth:`allocation_options` reports what chunks get, and why not more.
         """
         cu = _cu if binding is None else binding
         self._init_allocation(cu, shareable, rdma)  # validates both before any state
