@@ -10,6 +10,7 @@ lives: no later allocation can alias it. Nothing a slot holds points back at the
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 from typing import Any
@@ -19,7 +20,6 @@ import numpy as np
 from .. import interop
 from .._checks import as_max_concurrency
 from .._convert import convert
-from .._errors import Cleanup, ClosedError
 from .._lifetime import release_when_collected
 from .._resolve import resolve
 from ..devices import as_device
@@ -29,6 +29,7 @@ from ..dtypes import canonical_dtype
 from ._buffers import NonUvaBuffer, UvaBuffer, _as_shape
 from ._memory import _check_host_bytes, _refuse_copy
 from ._probe import uva_unavailable_reason
+from ._slots import UNRECORDED, DeviceEvent, PinnedSlot, PinnedSlotRing
 
 _logger = logging.getLogger("jaxbuf.uva")
 
@@ -75,6 +76,24 @@ def _check_buffer_cls(buffer_cls: Any) -> type:
     if not (isinstance(buffer_cls, type) and issubclass(buffer_cls, (UvaBuffer, NonUvaBuffer))):
         raise TypeError(f"buffer_cls must be UvaBuffer or NonUvaBuffer, got {buffer_cls!r}")
     return buffer_cls
+
+
+class _PoolSlot(PinnedSlot):
+    """A pool slot: its buffer (:class:`UvaBuffer` or :class:`NonUvaBuffer`, ``capacity``
+    rows), and the buffer's host array and address the hot path writes through (None and 0
+    once the buffer is released)."""
+
+    __slots__ = ("host", "host_ptr")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host: Any = None
+        self.host_ptr = 0
+
+    def refresh(self) -> None:
+        buffer = self.buffer
+        self.host = None if buffer is None else buffer.np
+        self.host_ptr = 0 if buffer is None else buffer.np.ctypes.data
 
 
 # -- the pool -----------------------------------------------------------------------------
@@ -146,7 +165,7 @@ class UvaBufferPool:
         guarded: bool | str = False,
         driver: VmmDriver | None = None,
     ) -> None:
-        self._slots: list[Any] = []
+        self._ring: PinnedSlotRing | None = None
         self._closed = False
         shape, dtype = _as_shape(size), canonical_dtype(dtype)
         max_concurrency = as_max_concurrency(max_concurrency)
@@ -182,22 +201,32 @@ class UvaBufferPool:
         # or _REFUSED; the pool's own dtype is the hot path's one dict lookup.
         self._castable: dict[np.dtype, int] = {self._np_dtype: _SAFE}
         self._bounds = _finite_bounds(self._np_dtype)
+        # The slots and their one reuse guard: in guarded mode a slot handed out is
+        # UNRECORDED until the next call (or record_readers) records the event after its
+        # readers on the consumer stream; the event is the pool's alone (owns_guards).
+        self._ring = PinnedSlotRing(
+            max_concurrency,
+            # No reference back to the pool (the ring's callables hold none): a pool dropped
+            # without close() is collected at once, not by the cycle collector.
+            functools.partial(_new_slot_buffer, buffer_cls, shape[1:], dtype, device, driver),
+            _free_without_quiesce,
+            lambda: driver.synchronize(device.index),
+            mode=self.guarded,
+            owns_guards=True,
+            slot_type=_PoolSlot,
+            name="UvaBufferPool",
+        )
+        self._slots: list[_PoolSlot] = self._ring.slots
         try:
-            for _ in range(max_concurrency):
-                self._slots.append(buffer_cls(shape, dtype, device, driver=driver))
+            for slot in self._slots:
+                self._ring.grow(slot, shape[0])
         except BaseException:
             self.close()
             raise
-        self._hosts = [slot.np for slot in self._slots]
-        self._host_ptrs = [slot.np.ctypes.data for slot in self._slots]
         self._row_bytes = math.prod(self._row_shape) * dtype.itemsize
         # Input type -> the adapter recognising it, so a foreign array costs one dict lookup.
         self._input_adapters: dict[type, interop.FrameworkAdapter] = {}
-        self._capacities = [shape[0]] * max_concurrency
         self._uva = buffer_cls is not NonUvaBuffer and issubclass(buffer_cls, UvaBuffer)
-        # Guarded mode: per-slot event covering its readers; the slot handed out last.
-        self._events: list[Any] = [None] * max_concurrency
-        self._unrecorded: int | None = None
         # Seed order: the first call uses slot 1 (or 0 when there is one slot).
         self._curr = 0
 
@@ -216,7 +245,7 @@ class UvaBufferPool:
         guarded pools.
         """
         n = self._write(x, stream)
-        slot = self._slots[self._curr]
+        slot = self._slots[self._curr].buffer
         if self._uva:
             array = slot._caches[self.framework].get(n)
             return array if array is not None else slot._cached(self.framework, n)
@@ -279,21 +308,22 @@ class UvaBufferPool:
         i = self._curr + 1
         if i == self.max_concurrency:
             i = 0
+        slot = self._slots[i]
         if self.guarded is not None:
-            self._guard(i, stream)
-        if n > self._capacities[i]:
-            self._grow(i, n)
+            self._guard(slot, i, n, stream)
+        elif n > slot.capacity:
+            self._grow(slot, n)
         if ptr is None:
-            self._hosts[i][:n] = source
+            slot.host[:n] = source
         else:  # a C-contiguous host array of the pool's dtype (a CPU torch tensor): one memmove
-            ctypes.memmove(self._host_ptrs[i], ptr, n * self._row_bytes)
+            ctypes.memmove(slot.host_ptr, ptr, n * self._row_bytes)
         self._curr = i
         return n
 
     def _copy_as(self, framework: str, x: Any, stream: Any) -> Any:
         """:meth:`copy_to_uva` returning ``framework``'s array, whatever the pool's."""
         n = self._write(x, stream)
-        return self._slots[self._curr]._publish(framework, n)
+        return self._slots[self._curr].buffer._publish(framework, n)
 
     def _copy_into_buffer(
         self, adapter: interop.FrameworkAdapter, x: Any, out: Any, stream: Any
@@ -379,54 +409,38 @@ class UvaBufferPool:
             return interop.current_stream(self.device, self._adapter)
         return interop.as_dlpack_stream(stream)
 
-    def _guard(self, i: int, stream: Any) -> None:
-        """Record the previous hand-out's event; wait for (or refuse) slot ``i``'s."""
-        driver = self._driver
-        previous = self._unrecorded
-        if previous is not None:
-            event = driver.record_event(self._consumer_stream(stream), self.device.index)
-            self._set_event(previous, event)
-            self._unrecorded = None
-        event = self._events[i]
-        if event is not None and not driver.event_query(event):
-            if self.guarded == "raise":
-                raise RuntimeError(
-                    f"UvaBufferPool slot {i} is reused while the device still reads it "
-                    f"(max_concurrency={self.max_concurrency}); nothing was written"
-                )
-            driver.event_synchronize(event)
-        self._set_event(i, None)
-        self._unrecorded = i
+    def _guard(self, slot: _PoolSlot, i: int, n: int, stream: Any) -> None:
+        """Guarded modes: record the previous hand-out's event, wait for (or refuse) slot
+        ``i``'s, grow it to ``n`` rows if needed, and mark it handed out (UNRECORDED)."""
+        previous = self._slots[self._curr]
+        if previous.guard is UNRECORDED:
+            self._record(previous, stream)
+        if slot.guard is not None:
+            self._ring.wait(slot, i)
+        if n > slot.capacity:
+            self._grow(slot, n)
+        slot.guard = UNRECORDED
 
     def record_readers(self, stream: Any = None) -> None:
         """Guarded pools: mark the readers of the slot handed out last as enqueued on
         ``stream`` now (the next :meth:`copy_to_uva` does this by itself)."""
-        if self.guarded is not None and self._unrecorded is not None:
-            event = self._driver.record_event(self._consumer_stream(stream), self.device.index)
-            self._set_event(self._unrecorded, event)
-            self._unrecorded = None
+        previous = self._slots[self._curr]
+        if previous.guard is UNRECORDED:
+            self._record(previous, stream)
 
-    def _set_event(self, i: int, event: Any) -> None:
-        previous, self._events[i] = self._events[i], event
-        if previous is not None:
-            self._driver.destroy_event(previous)
+    def _record(self, slot: _PoolSlot, stream: Any) -> None:
+        """Guard ``slot`` by an event recorded now on the consumer stream (none on a platform
+        without asynchronous work). A failed record leaves it UNRECORDED: the next call
+        records again, and reusing it before that costs a device-wide wait, never less."""
+        handle = self._driver.record_event(self._consumer_stream(stream), self.device.index)
+        slot.guard = None if handle is None else DeviceEvent(self._driver, handle, 0)
 
-    def _grow(self, i: int, n: int) -> None:
-        if self._closed:
-            raise ClosedError("UvaBufferPool", "closed")
-        capacity = 1 << (n - 1).bit_length()
-        slot = self._buffer_cls(
-            (capacity, *self._row_shape), self.dtype, self.device, driver=self._driver
-        )
-        old, self._slots[i] = self._slots[i], slot
-        self._hosts[i] = slot.np
-        self._host_ptrs[i] = slot.np.ctypes.data
-        self._capacities[i] = capacity
-        # The old slot is freed here, not left to the collector (a driver failure reaches
-        # the caller, with the pool already consistent): "done", like close(). Arrays handed
-        # out from it keep its memory until they go; views of it raise at export. The device
-        # is done with it (guarded) or the caller promised so (unguarded): no quiesce.
-        old._free(quiesce=False)
+    def _grow(self, slot: _PoolSlot, n: int) -> None:
+        # The old slot is freed by the ring, not left to the collector (a driver failure
+        # reaches the caller, with the pool already consistent): "done", like close(). Arrays
+        # handed out from it keep its memory until they go; views of it raise at export. The
+        # device is done with it (guarded) or the caller promised so (unguarded): no quiesce.
+        self._ring.grow(slot, 1 << (n - 1).bit_length())
 
     # -- introspection and lifetime -----------------------------------------------------
     @property
@@ -440,10 +454,14 @@ class UvaBufferPool:
     @property
     def nbytes(self) -> int:
         """The bytes the slots hold now (each grows past ``size`` when a copy needs it)."""
-        return sum(slot.nbytes for slot in getattr(self, "_slots", ()))
+        return sum(slot.buffer.nbytes for slot in self._held_slots() if slot.buffer is not None)
+
+    def _held_slots(self) -> list[_PoolSlot]:
+        ring = getattr(self, "_ring", None)
+        return [] if ring is None else ring.slots
 
     def __repr__(self) -> str:
-        if getattr(self, "_slots", None) is None:
+        if getattr(self, "_ring", None) is None:
             return "<UvaBufferPool: construction failed>"
         state = "closed" if self._closed else f"nbytes={self.nbytes}"
         return (
@@ -455,7 +473,7 @@ class UvaBufferPool:
     @property
     def slots(self) -> tuple[Any, ...]:
         """The slot buffers (for inspection and benchmarks; do not free them)."""
-        return tuple(self._slots)
+        return tuple(slot.buffer for slot in self._slots if slot.buffer is not None)
 
     @property
     def current_slot(self) -> int:
@@ -473,19 +491,14 @@ class UvaBufferPool:
 
     def _close(self, quiesce: bool) -> None:
         self._closed = True
-        # Every length now exceeds every capacity, so the hot path reaches _grow's check.
-        self._capacities = [-1] * len(getattr(self, "_capacities", ()))
-        self._hosts = [None] * len(self._capacities)
-        events = getattr(self, "_events", [])
-        for index, event in enumerate(events):
-            if event is not None:
-                self._driver.event_synchronize(event)
-                self._set_event(index, None)
-        if quiesce and self._slots:
+        ring = getattr(self, "_ring", None)
+        if ring is None:
+            return
+        if quiesce and any(slot.buffer is not None for slot in ring.slots):
             interop.quiesce(self.device)  # once for every slot
-        cleanup = Cleanup("UvaBufferPool.close")
-        self._slots = [slot for slot in self._slots if not cleanup.run(slot._free, False)]
-        cleanup.raise_first()
+        # Recorded readers are waited for; an UNRECORDED slot's are covered by the quiesce
+        # (or, from the collector, by the arrays' hold on the memory).
+        ring.close(settle_unrecorded=False)
 
     free = close
     __reduce_ex__ = _refuse_copy
@@ -499,5 +512,18 @@ class UvaBufferPool:
     def __del__(self, _release: Any = release_when_collected) -> None:
         # No framework call on behalf of the collector (quiesce=False); arrays handed out
         # still hold their slots' memory.
-        if getattr(self, "_slots", None):
+        ring = getattr(self, "_ring", None)
+        if ring is not None and ring.held:
             _release(lambda: self._close(quiesce=False), "a UvaBufferPool")
+
+
+def _new_slot_buffer(
+    buffer_cls: type, row_shape: tuple, dtype: Any, device: Any, driver: Any, rows: int
+) -> Any:
+    return buffer_cls((rows, *row_shape), dtype, device, driver=driver)
+
+
+def _free_without_quiesce(buffer: Any) -> None:
+    """Free a replaced or closed slot's buffer: "done" (arrays keep its memory); the pool
+    has made sure the device no longer reads it (or quiesced once for every slot)."""
+    buffer._free(False)
