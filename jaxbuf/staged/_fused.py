@@ -23,6 +23,7 @@ A writer (with its packer) sees a tensor only through ``tensor.staging``, the te
 
 from __future__ import annotations
 
+import functools
 import reprlib
 import warnings
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from .._resolve import resolve
 from ..devices import Device, as_device
 from ..drivers.base import VmmDriver
 from ..kernels.reference import StagedLaunch
+from ..uva._slots import UNRECORDED, PinnedSlot, PinnedSlotRing
 from ._host import (
     GROUP_FIELDS,
     WRITE_FIELDS,
@@ -87,26 +89,45 @@ class _Layout:
         self.uniform_itemsize = self.itemsize_list[0] if len(set(self.itemsize_list)) == 1 else 0
 
 
-class _Slot:
-    """One staging slot: pinned memory the packer fills; the kernel reads it, or on CUDA a
-    device copy of it.
+class _StagingSlot(PinnedSlot):
+    """One staging slot of the writer's :class:`~jaxbuf.uva._slots.PinnedSlotRing`: pinned
+    memory (``buffer``, a :class:`~jaxbuf.uva.UvaBuffer` of ``capacity`` bytes, None until
+    first used) the packer fills; the kernel reads it, or on CUDA a device copy of it.
 
-    ``buffer`` is the :class:`~jaxbuf.uva.UvaBuffer` (None until first used: capacity 0),
-    ``host`` / ``ptr`` its host and device-visible addresses, ``i64`` an int64 numpy view of
-    it; ``event`` the :class:`~jaxbuf.staged._launch.AppliedEvent` after the last launch that
-    read it (CUDA). ``device_copy``: device memory of ``capacity`` bytes that large applies are
-    copied into (see :data:`DEVICE_COPY_MIN_BYTES`; None until one needs it), guarded by the same
-    event, since the launch that reads it follows the copy on one stream.
+    ``host`` / ``ptr`` are its host and device-visible addresses, ``i64`` an int64 numpy view
+    of it; its ``guard`` the :class:`~jaxbuf.staged._launch.AppliedEvent` after the last launch
+    that read it (CUDA; UNRECORDED from the launch until that event is recorded, so a failed
+    record costs a device-wide wait before reuse). ``device_copy``: device memory of
+    ``capacity`` bytes that large applies are copied into (see :data:`DEVICE_COPY_MIN_BYTES`;
+    None until one needs it), guarded by the same event, since the launch that reads it follows
+    the copy on one stream.
     """
 
-    __slots__ = ("buffer", "i64", "host", "ptr", "capacity", "event", "device_copy")
+    __slots__ = ("i64", "host", "ptr", "device_copy")
 
     def __init__(self) -> None:
-        self.buffer: Any = None
+        super().__init__()
         self.i64: np.ndarray | None = None
-        self.host = self.ptr = self.capacity = 0
-        self.event: AppliedEvent | None = None
+        self.host = self.ptr = 0
         self.device_copy: Any = None
+
+    def refresh(self) -> None:
+        buffer = self.buffer
+        if buffer is None:
+            self.i64, self.host, self.ptr = None, 0, 0
+        else:
+            self.i64 = buffer.np.view(np.int64)
+            self.host, self.ptr = buffer.host_ptr, buffer.device_ptr
+
+
+def _new_staging_buffer(device: Device, driver: VmmDriver, nbytes: int) -> Any:
+    from ..uva import UvaBuffer
+
+    return UvaBuffer(nbytes, "uint8", device, driver=driver)
+
+
+def _free_buffer(buffer: Any) -> None:
+    buffer.free()
 
 
 class FusedStagedWriter:
@@ -158,7 +179,8 @@ class FusedStagedWriter:
         driver: VmmDriver | None = None,
         device_copy_min_bytes: int | None = DEVICE_COPY_MIN_BYTES,
     ) -> None:
-        self._slots: list[_Slot] = []
+        self._ring: PinnedSlotRing | None = None
+        self._slots: list[_StagingSlot] = []
         self._closed = True
         if _is_device_like(max_writes) and not _names_a_device(device):
             warnings.warn(
@@ -190,8 +212,19 @@ class FusedStagedWriter:
         self._driver = driver
         # Room for the tables plus ~16 four-byte elements per write; slots grow beyond.
         self._initial_slot_bytes = 1 << (max_writes * (WRITE_FIELDS * 8 + 64) + 4095).bit_length()
-        # Slots get their memory on first use (and regrow).
-        self._slots = [_Slot() for _ in range(max_concurrency)]
+        # Slots get their memory on first use (and regrow). Guarded or not, a slot grows
+        # only once its reader is done (its memory is freed); its guard is not owned (the
+        # event is also the written tensors' ready event).
+        self._ring = PinnedSlotRing(
+            max_concurrency,
+            functools.partial(_new_staging_buffer, device, driver),
+            _free_buffer,
+            functools.partial(driver.synchronize, device.index),
+            mode="wait" if self.guarded else None,
+            slot_type=_StagingSlot,
+            name="FusedStagedWriter",
+        )
+        self._slots = self._ring.slots
         self._curr = max_concurrency - 1
         self._layouts: dict[tuple, _Layout] = {}
         # The strategies, each chosen once: how to pack, how to launch, how to submit.
@@ -253,15 +286,13 @@ class FusedStagedWriter:
         if i == self.max_concurrency:
             i = 0
         slot = self._slots[i]
-        event = slot.event
-        if event is not None and self.guarded:
-            event.wait()  # the device still reads this slot's previous apply
+        if slot.guard is not None and self.guarded:
+            self._ring.wait(slot)  # the device may still read this slot's previous apply
         pack = self._pack
         num_writes, contents_start, total = pack(tensors, staged_bytes, layout, slot)
         if total > slot.capacity:  # nothing was packed: grow the slot and pack again
             self._grow(slot, total)
             num_writes, contents_start, total = pack(tensors, staged_bytes, layout, slot)
-        slot.event = None
         self._curr = i
 
         ptr = slot.ptr
@@ -314,7 +345,10 @@ class FusedStagedWriter:
         # enqueues the copy before the launch: one C call (driver.copy_and_launch). When it
         # raises, nothing was launched and the copy is done: the writes stay staged.
         self._launch(launch, raw, None, copy)
-        # Enqueued: the writes are applied whatever fails next, so no longer staged.
+        # Enqueued: the device reads the slot until the event below says otherwise; the
+        # writes are applied whatever fails next, so no longer staged.
+        slot = self._slots[i]
+        slot.guard = UNRECORDED
         self._clear()
         try:
             handle = driver.record_event(dlpack_stream, index)
@@ -322,15 +356,16 @@ class FusedStagedWriter:
             self._synchronize_without_event(tensors, error)
             raise
         event = AppliedEvent(driver, handle, dlpack_stream)
-        self._slots[i].event = event
+        slot.guard = event
         for t, n in zip(tensors, staged_bytes):
             if n:
                 t.staging.applied = event
 
     def _synchronize_without_event(self, tensors: Sequence[Any], error: BaseException) -> None:
         """The launch is enqueued but its event could not be recorded. With no event to wait
-        on, the device is synchronized here so that the slot and the targets are safe to
-        reuse; ``error`` gets notes saying so."""
+        on, the device is synchronized here so that the targets are safe to reuse; the slot
+        stays UNRECORDED (its reuse synchronizes again, should this fail too); ``error`` gets
+        notes saying so."""
         for t in tensors:
             t.staging.applied = None
         what = "synchronizing after the failed event record"
@@ -347,23 +382,11 @@ class FusedStagedWriter:
         )
 
     # -- slots -----------------------------------------------------------------------------
-    def _grow(self, slot: _Slot, nbytes: int) -> None:
+    def _grow(self, slot: _StagingSlot, nbytes: int) -> None:
         """Replace ``slot``'s memory by at least ``nbytes`` (a power of two)."""
-        from ..uva import UvaBuffer
+        self._ring.grow(slot, max(self._initial_slot_bytes, 1 << (nbytes - 1).bit_length()))
 
-        if slot.event is not None:
-            slot.event.wait()  # the old memory is freed: its reader must be done, guarded or not
-        size = max(self._initial_slot_bytes, 1 << (nbytes - 1).bit_length())
-        buffer = UvaBuffer(size, "uint8", self.device, driver=self._driver)
-        old, slot.buffer = slot.buffer, buffer
-        slot.i64 = buffer.np.view(np.int64)
-        slot.host = buffer.host_ptr
-        slot.ptr = buffer.device_ptr
-        slot.capacity = size
-        if old is not None:
-            old.free()
-
-    def _device_copy(self, slot: _Slot) -> int:
+    def _device_copy(self, slot: _StagingSlot) -> int:
         """The address of ``slot``'s device copy, (re)made at the slot's capacity."""
         copy = slot.device_copy
         if copy is None or copy.reserved_size < slot.capacity:
@@ -429,21 +452,17 @@ class FusedStagedWriter:
 
         Best effort: a slot whose free fails (a driver error) stays, and the next
         ``close()`` retries it; the first error is raised, the others attached as notes."""
-        slots = self._slots
-        held = any(s.buffer is not None or s.event or s.device_copy for s in slots)
-        if self._closed and not held:
+        ring = self._ring
+        if ring is None:
+            return
+        copies = any(s.device_copy is not None for s in ring.slots)
+        if self._closed and not ring.held and not copies:
             return
         self._closed = True
-        for slot in slots:
-            if slot.event is not None:
-                slot.event.wait()
-                slot.event = None
         cleanup = Cleanup("FusedStagedWriter.close")
-        for slot in slots:
-            slot.i64 = None
-            slot.capacity = 0
-            if slot.buffer is not None and cleanup.run(slot.buffer.free):
-                slot.buffer = None
+        # The ring first: it waits for each slot's reader (the device copy's too).
+        cleanup.run(ring.close)
+        for slot in ring.slots:
             if slot.device_copy is not None and cleanup.run(slot.device_copy.release):
                 slot.device_copy = None
         cleanup.raise_first()
@@ -463,7 +482,7 @@ class FusedStagedWriter:
     @property
     def nbytes(self) -> int:
         """The pinned staging bytes the slots hold now (0 before the first apply)."""
-        return sum(slot.capacity for slot in self._slots)
+        return sum(max(slot.capacity, 0) for slot in self._slots)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"nbytes={self.nbytes}"

@@ -24,12 +24,14 @@ ring instead.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from .. import interop
 from .._checks import as_count, as_max_concurrency, as_optional_bool
 from .._resolve import resolve
 from ..uva import UvaBuffer
+from ..uva._slots import UNRECORDED, PinnedSlot, PinnedSlotRing
 from ._jax_apply import METHODS, apply_staged_writes, check_array
 from ._jax_pack import Packer
 from ._jax_packed import PackedWrites, bucket_size
@@ -43,18 +45,65 @@ MAX_CACHED_LENGTHS = 16
 _DEFAULT_MIN_WORDS = 4096  # 16 KiB: four pages, a 256-write step of 16 int32 fits twice
 
 
-class _Slot:
-    """One pinned buffer and what the ring knows about its last pack."""
+class _Slot(PinnedSlot):
+    """One slot of the ring's :class:`~jaxbuf.uva._slots.PinnedSlotRing`: a pinned int32
+    buffer of ``capacity`` words, and what the ring knows about its last pack: ``arrays``
+    (packed length in words -> the JAX array over them) and ``leaf`` (the last pack's).
+    Its ``guard`` is UNRECORDED from the pack until a reader is recorded, then an
+    :class:`_OutputGuard`; None once nothing may read it."""
 
-    __slots__ = ("buffer", "capacity", "arrays", "leaf", "pending", "guard")
+    __slots__ = ("arrays", "leaf")
 
     def __init__(self) -> None:
-        self.buffer: UvaBuffer | None = None
-        self.capacity = 0  # int32 words
-        self.arrays: dict[int, Any] = {}  # packed length in words -> JAX array over them
-        self.leaf: Any = None  # the JAX array of the last pack
-        self.pending = False  # packed, and not known to be consumed
-        self.guard: Any = None  # an output of the computation reading it (a pytree), or None
+        super().__init__()
+        self.arrays: dict[int, Any] = {}
+        self.leaf: Any = None
+
+    def refresh(self) -> None:
+        self.arrays, self.leaf = {}, None
+
+
+class _OutputGuard:
+    """A slot's guard in the JAX wing: ``output`` (a pytree of JAX arrays) of the step that
+    read the slot; ready once all of it is. It cannot tell once any of it was donated or
+    its step failed (``wait`` returns False): the ring then waits device-wide."""
+
+    __slots__ = ("output",)
+
+    def __init__(self, output: Any) -> None:
+        self.output = output
+
+    def ready(self) -> bool:
+        import jax
+
+        leaves = jax.tree_util.tree_leaves(self.output)
+        return not _any_deleted(self.output) and all(leaf.is_ready() for leaf in leaves)
+
+    def wait(self) -> bool:
+        if _any_deleted(self.output):
+            return False
+        import jax
+
+        try:
+            jax.block_until_ready(self.output)
+        except RuntimeError:  # donated meanwhile, or the step failed: wait for all
+            return False
+        return True
+
+
+def _new_slot_buffer(device: Any, driver: Any, words: int) -> UvaBuffer:
+    return UvaBuffer(words, "int32", device, driver=driver)
+
+
+def _free_buffer(buffer: UvaBuffer) -> None:
+    buffer.free()  # its memory stays while an array over it (a user's PackedWrites) does
+
+
+def _wait_device_wide(device: Any, driver: Any) -> None:
+    """What makes a slot with no usable guard safe: JAX's pending work, dispatched or not
+    yet, then the device's streams."""
+    interop.quiesce(device)
+    driver.synchronize(device.index)
 
 
 # One jitted, donated apply per method, shared by every ring: the array with the writes
@@ -127,6 +176,7 @@ class PackRing(Packer):
     __slots__ = (
         "_device",
         "_driver",
+        "_ring",
         "_slots",
         "_next",
         "_last",
@@ -151,7 +201,17 @@ class PackRing(Packer):
         expand = as_optional_bool(expand, "expand")
         self._device, self._driver = resolve(device, driver)
         self._expand = (not self._device.is_cuda) if expand is None else expand
-        self._slots = [_Slot() for _ in range(count)]
+        device, driver = self._device, self._driver
+        self._ring = PinnedSlotRing(
+            count,
+            functools.partial(_new_slot_buffer, device, driver),
+            _free_buffer,
+            functools.partial(_wait_device_wide, device, driver),
+            mode="wait",
+            slot_type=_Slot,
+            name="PackRing",
+        )
+        self._slots = self._ring.slots
         self._next = 0
         self._last: _Slot | None = None
         self._closed = False
@@ -195,7 +255,7 @@ class PackRing(Packer):
     @property
     def capacities(self) -> list[int]:
         """Each slot's capacity in int32 words (0 before its first pack)."""
-        return [slot.capacity for slot in self._slots]
+        return [max(slot.capacity, 0) for slot in self._slots]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -220,11 +280,14 @@ class PackRing(Packer):
         plan = staged.plan_pack()  # sizes the pack; a failure below leaves it all staged
         words = plan.words(expand)
         slot = self._slots[self._next]
-        self._wait(slot)
-        self._ensure_capacity(slot, words)
+        if slot.guard is not None:
+            self._ring.wait(slot)
+        if slot.capacity < words:
+            # The new buffer first: a failed allocation leaves the slot as it was.
+            self._ring.grow(slot, bucket_size(words, self._min_words))
         leaf = self._leaf(slot, words)
         host = staged.pack_into(plan, slot.buffer.np[:words], clear, expand)
-        slot.leaf, slot.pending, slot.guard = leaf, True, None
+        slot.leaf, slot.guard = leaf, UNRECORDED
         self._last = slot
         self._next = (self._next + 1) % len(self._slots)
         return PackedWrites.from_buffer(
@@ -246,36 +309,6 @@ class PackRing(Packer):
             staged = new_staged_writes(*arguments)  # validates: a bad argument keeps the old
             self._scratch_key, self._scratch_staged = arguments, staged
         return self._scratch_staged
-
-    def _wait(self, slot: _Slot) -> None:
-        """Return once nothing may still read ``slot``: its guard is ready, or else the
-        device and every framework on it are idle."""
-        if not slot.pending:
-            return
-        guard = slot.guard
-        if guard is not None and not _any_deleted(guard):
-            import jax
-
-            try:
-                jax.block_until_ready(guard)
-                guard = True
-            except RuntimeError:  # donated meanwhile, or the step failed: wait for all
-                guard = None
-        if guard is not True:
-            interop.quiesce(self._device)  # JAX's pending work, dispatched or not yet
-            self._driver.synchronize(self._device.index)  # then the device's streams
-        slot.pending, slot.guard = False, None
-
-    def _ensure_capacity(self, slot: _Slot, words: int) -> None:
-        if slot.capacity >= words:
-            return
-        capacity = bucket_size(words, self._min_words)
-        # The new buffer first: a failed allocation leaves the slot as it was.
-        buffer = UvaBuffer(capacity, "int32", self._device, driver=self._driver)
-        old = slot.buffer
-        slot.buffer, slot.capacity, slot.arrays, slot.leaf = buffer, capacity, {}, None
-        if old is not None:
-            old.free()  # its memory stays while an array over it (a user's PackedWrites) does
 
     def _leaf(self, slot: _Slot, words: int) -> Any:
         array = slot.arrays.get(words)
@@ -312,7 +345,7 @@ class PackRing(Packer):
         out, token = _jitted_apply(method)(array, packed)
         slot = self._slot_of(packed)
         if slot is not None:
-            slot.guard = token
+            slot.guard = _OutputGuard(token)
         return out
 
     def consumed_by(self, output: Any) -> Any:
@@ -320,15 +353,15 @@ class PackRing(Packer):
         pack) as that slot's guard; returns ``output``. Pass an output you will not donate
         before the slot comes round again: a donated guard costs a device-wide wait."""
         self._check_open()
-        if self._last is None or not self._last.pending:
+        if self._last is None or self._last.guard is None:
             raise RuntimeError(f"{self!r} has no pack in flight to record a consumer for")
-        self._last.guard = output
+        self._last.guard = _OutputGuard(output)
         return output
 
     def _slot_of(self, packed: PackedWrites) -> _Slot | None:
         leaf = packed.buffer
         for slot in self._slots:
-            if slot.pending and slot.leaf is leaf:
+            if slot.guard is not None and slot.leaf is leaf:
                 return slot
         return None
 
@@ -345,10 +378,9 @@ class PackRing(Packer):
             # would release its export (and so the memory) only later, on JAX's thread.
             interop.quiesce(self._device)
         for slot in self._slots:
-            slot.arrays, slot.leaf, slot.guard, slot.pending = {}, None, None, False
-            if slot.buffer is not None:
-                slot.buffer.free()
-                slot.buffer, slot.capacity = None, 0
+            slot.arrays, slot.leaf = {}, None
+        # Recorded readers are done (the quiesce); unrecorded ones too: no device-wide wait.
+        self._ring.close(settle_unrecorded=False)
 
     def free(self) -> None:
         """Same as :meth:`close`."""

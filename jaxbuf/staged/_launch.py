@@ -32,9 +32,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import interop
-from .._lifetime import release_when_collected
 from ..devices import Device
 from ..drivers.base import VmmDriver
+from ..uva._slots import DeviceEvent
 
 __all__ = ["AppliedEvent", "BLOCK_SIZE", "make_launcher", "raw_stream"]
 
@@ -90,26 +90,8 @@ def raw_stream(stream: Any, device: Device) -> int:
     return handle
 
 
-class AppliedEvent:
-    """A driver event recorded after one apply's launch, on DLPack stream ``stream``.
-
-    Shared by the tensors the launch wrote (their ready event) and the staging slot it read
-    (reused only once the event is done); destroyed when the last of them lets go.
-    """
-
-    __slots__ = ("handle", "stream", "_driver")
-
-    def __init__(self, driver: VmmDriver, handle: Any, stream: int) -> None:
-        self.handle = handle
-        self.stream = stream
-        self._driver = driver
-
-    def wait(self) -> None:
-        """Block until the work before the event is done."""
-        if not self._driver.event_query(self.handle):
-            self._driver.event_synchronize(self.handle)
-
-    def __del__(self, _release: Any = release_when_collected) -> None:
-        handle, self.handle = self.handle, None
-        if handle is not None:
-            _release(lambda: self._driver.destroy_event(handle), "a CUDA event")
+#: The driver event recorded after one apply's launch, on its DLPack stream: shared by the
+#: tensors the launch wrote (their ready event) and the staging slot it read (the slot's guard
+#: in the writer's :class:`~jaxbuf.uva._slots.PinnedSlotRing`); destroyed when the last of
+#: them lets go.
+AppliedEvent = DeviceEvent
