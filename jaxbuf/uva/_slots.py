@@ -100,7 +100,8 @@ class PinnedSlot:
         self.guard: Any = None
 
     def refresh(self) -> None:
-        """Update what the subclass derives from ``buffer`` (called after it changed)."""
+        """Update what the subclass derives from ``buffer``: called each time ``buffer``
+        changed (None included), before the old buffer is released."""
 
 
 class PinnedSlotRing:
@@ -223,8 +224,15 @@ class PinnedSlotRing:
             slot.guard = None
         cleanup = Cleanup(f"{self._name}.close")
         for slot in self.slots:
-            if slot.buffer is not None and cleanup.run(self._release, slot.buffer):
-                slot.buffer = None
+            buffer = slot.buffer
+            if buffer is None:
+                continue
+            # What the slot derives from its buffer goes first: a host array kept there
+            # would be a live export, holding the memory past its release.
+            slot.buffer = None
+            slot.refresh()
+            if not cleanup.run(self._release, buffer):
+                slot.buffer = buffer
                 slot.refresh()
         cleanup.raise_first()
 
