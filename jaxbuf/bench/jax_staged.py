@@ -45,22 +45,25 @@ import numpy as np
 from jaxbuf.bench import Row, Sizes, suite
 from jaxbuf.bench._timing import measure, round_by_round
 
-_SHAPE = (4096, 4096)
-_WRITE_LEN = 16
+SHAPE = (4096, 4096)
+WRITE_LEN = 16
 #: Number of writes -> jaxbuf's end-to-end time at most this many times plain JAX's.
 _TARGETS = {256: 1.0, 4096: 0.5}
 _PLAIN = "plain JAX: numpy indices + jitted a.at[r, c].set(v)"
 
 
-def _workload(num_writes: int, seed: int = 0) -> tuple[list[int], list[int], list[np.ndarray]]:
-    """``num_writes`` disjoint writes of 16 int32: distinct 16-aligned cells of the array."""
+def disjoint_writes(
+    num_writes: int, seed: int = 0
+) -> tuple[list[int], list[int], list[np.ndarray]]:
+    """``(rows, starts, values)``: ``num_writes`` disjoint writes of :data:`WRITE_LEN` int32 at
+    distinct aligned cells of a :data:`SHAPE` array (public: ``tools/experiments`` reuse it)."""
     rng = np.random.default_rng(seed)
-    cells_per_row = _SHAPE[1] // _WRITE_LEN
-    cells = rng.choice(_SHAPE[0] * cells_per_row, num_writes, replace=False)
+    cells_per_row = SHAPE[1] // WRITE_LEN
+    cells = rng.choice(SHAPE[0] * cells_per_row, num_writes, replace=False)
     rows = (cells // cells_per_row).tolist()
-    starts = ((cells % cells_per_row) * _WRITE_LEN).tolist()
+    starts = ((cells % cells_per_row) * WRITE_LEN).tolist()
     values = [
-        rng.integers(0, 2**31, _WRITE_LEN, dtype=np.int64).astype(np.int32)
+        rng.integers(0, 2**31, WRITE_LEN, dtype=np.int64).astype(np.int32)
         for _ in range(num_writes)
     ]
     return rows, starts, values
@@ -107,13 +110,13 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
     repeat = 5 if quick else (10 if not cuda else 30 if num_writes <= 256 else 15)
     loop = 5 if quick else (50 if cuda else 10)  # applies per call in the device-time rows
     jax_device = device.jax()
-    rows, starts, values = _workload(num_writes)
-    expected = np.zeros(_SHAPE, np.int32)
+    rows, starts, values = disjoint_writes(num_writes)
+    expected = np.zeros(SHAPE, np.int32)
     for row, start, value in zip(rows, starts, values):
         expected[row, start : start + len(value)] = value
 
     def pack() -> Any:
-        return pack_writes(rows, starts, values, "int32", shape=_SHAPE)
+        return pack_writes(rows, starts, values, "int32", shape=SHAPE)
 
     def indices() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return _plain_indices(rows, starts, values)
@@ -123,7 +126,7 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
 
     def end_to_end(step: Callable[..., Any], make_inputs: Callable[[], Any]) -> tuple[float, Any]:
         """Median of building the inputs, the donated step and waiting for it; the array."""
-        holder = [jax.device_put(np.zeros(_SHAPE, np.int32), jax_device)]
+        holder = [jax.device_put(np.zeros(SHAPE, np.int32), jax_device)]
 
         def call() -> None:
             holder[0] = step(holder[0], *make_inputs())
@@ -138,7 +141,7 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         result is checked against the model."""
         calls, holders = {}, {}
         for label, (step, make_inputs) in candidates.items():
-            holder = [jax.device_put(np.zeros(_SHAPE, np.int32), jax_device)]
+            holder = [jax.device_put(np.zeros(SHAPE, np.int32), jax_device)]
 
             def call(step: Any = step, make_inputs: Any = make_inputs, holder=holder) -> None:
                 holder[0] = step(holder[0], *make_inputs())
@@ -154,7 +157,7 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
 
     def inputs_on_device(step: Callable[..., Any], inputs: Any) -> float:
         prebuilt = jax.device_put(inputs, jax_device)
-        holder = [jax.device_put(np.zeros(_SHAPE, np.int32), jax_device)]
+        holder = [jax.device_put(np.zeros(SHAPE, np.int32), jax_device)]
 
         def call() -> None:
             holder[0] = step(holder[0], *prebuilt)
@@ -183,7 +186,7 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
                     return a
 
                 looped = jax.jit(chained, donate_argnums=0)
-                holder = [jax.device_put(np.zeros(_SHAPE, np.int32), jax_device)]
+                holder = [jax.device_put(np.zeros(SHAPE, np.int32), jax_device)]
 
                 def call(looped: Any = looped, prebuilt: Any = prebuilt, holder=holder) -> None:
                     holder[0] = looped(holder[0], *prebuilt)
@@ -216,7 +219,7 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
             return ring.apply(array, packed, **kwargs)
 
         def ring_pack() -> tuple[Any]:
-            return (pack_writes(rows, starts, values, "int32", shape=_SHAPE, ring=ring),)
+            return (pack_writes(rows, starts, values, "int32", shape=SHAPE, ring=ring),)
 
         # The fast path and plain JAX, sampled alternately: the target is their ratio.
         times = interleaved_end_to_end(
@@ -278,7 +281,7 @@ def _rows_for(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
     candidates = {"plain": (lambda a, r, c, v: a.at[r, c].set(v), indices())}
     for method in _device_methods(device):
         candidates[method] = (lambda a, p, m=method: apply_staged_writes(a, p, method=m), (pack(),))
-    unexpanded = pack_writes(rows, starts, values, "int32", shape=_SHAPE, expand=False)
+    unexpanded = pack_writes(rows, starts, values, "int32", shape=SHAPE, expand=False)
     candidates["scatter, unexpanded"] = (
         lambda a, p: apply_staged_writes(a, p, method="scatter"),
         (unexpanded,),
@@ -332,7 +335,7 @@ def staged_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
     sizes = (256, 4096)
     yield Sizes(
         " and ".join(f"{n:,}" for n in sizes)
-        + f" writes of {_WRITE_LEN} int32 into a {_SHAPE[0]} x {_SHAPE[1]} int32 array"
+        + f" writes of {WRITE_LEN} int32 into a {SHAPE[0]} x {SHAPE[1]} int32 array"
     )
     for num_writes in sizes:
         yield from _rows_for(device, num_writes, quick)
