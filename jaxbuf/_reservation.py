@@ -229,27 +229,24 @@ class VirtualBuffer(Defragmenting):
     def _notify_mapped(self, chunks: list[tuple[int, int]]) -> None:
         """Tell every listener ``mapped``; if one raises, those told before it are told
         ``unmapping`` (failures there become notes) and the error propagates."""
-        told: list[MappingListener] = []
-        try:
-            for listener in self._listeners:
-                listener.mapped(chunks)
-                told.append(listener)
-        except BaseException as error:
-            for listener in reversed(told):
-                attempt(error, f"undoing {listener!r}.mapped", listener.unmapping, chunks)
-            raise
+        self._notify(chunks, "mapped", "unmapping")
 
     def _notify_unmapping(self, chunks: list[tuple[int, int]]) -> None:
         """Tell every listener ``unmapping``; if one refuses, those told before it are told
         ``mapped`` again (failures there become notes) and the refusal propagates."""
+        self._notify(chunks, "unmapping", "mapped")
+
+    def _notify(self, chunks: list[tuple[int, int]], event: str, undo: str) -> None:
+        """Call ``listener.<event>(chunks)`` on every listener, all or none: on a failure the
+        listeners already told get ``<undo>(chunks)``, newest first."""
         told: list[MappingListener] = []
         try:
             for listener in self._listeners:
-                listener.unmapping(chunks)
+                getattr(listener, event)(chunks)
                 told.append(listener)
         except BaseException as error:
             for listener in reversed(told):
-                attempt(error, f"undoing {listener!r}.unmapping", listener.mapped, chunks)
+                attempt(error, f"undoing {listener!r}.{event}", getattr(listener, undo), chunks)
             raise
 
     def _commit_gap(self, offset: int, size_end: int) -> tuple[int, int, Any]:
