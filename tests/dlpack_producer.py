@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 
+import _forkserver
 import numpy as np
 
 import jaxbuf
@@ -99,7 +100,7 @@ def read_back(view: BufferView) -> np.ndarray:
 def run_child(source: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``source`` in a fresh interpreter (the repository's jaxbuf on its path)."""
     command = [sys.executable, "-c", textwrap.dedent(source)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    return _forkserver.run(command, timeout=timeout)
 
 
 def assert_normal_exit(result: subprocess.CompletedProcess, marker: str = "done") -> None:

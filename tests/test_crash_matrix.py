@@ -29,6 +29,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import _forkserver
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,10 +164,8 @@ def run_child(
         script.write(PRELUDE + textwrap.dedent(body))
         script.flush()
         try:
-            proc = subprocess.run(
+            proc = _forkserver.run(
                 [sys.executable, script.name, device, consumer, *extra_args],
-                capture_output=True,
-                text=True,
                 timeout=timeout,
                 cwd=ROOT,
                 env=env,

@@ -12,11 +12,11 @@ from __future__ import annotations
 import gc
 import itertools
 import os
-import subprocess
 import sys
 import textwrap
 import time
 
+import _forkserver
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -616,9 +616,7 @@ def test_views_alive_at_interpreter_exit():
     pytest.importorskip("torch")
     pytest.importorskip("jax")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONWARNINGS="error::ResourceWarning")
-    result = subprocess.run(
-        [sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, env=env, timeout=120
-    )
+    result = _forkserver.run([sys.executable, "-c", _EXIT_SCRIPT], env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
     assert "Exception ignored" not in result.stderr, result.stderr

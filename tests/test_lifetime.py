@@ -36,6 +36,7 @@ import textwrap
 import warnings
 import weakref
 
+import _forkserver
 import numpy as np
 import pytest
 
@@ -46,15 +47,12 @@ from jaxbuf.drivers import HostVmmDriver
 GRANULE = 2 << 20
 
 
-def run_python(source: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``source`` in a fresh interpreter (JAX on the CPU unless the source says otherwise)."""
+def run_python(source: str, timeout: float = 120, spawn: bool = False):
+    """Run ``source`` in a fresh interpreter, forked from one with the frameworks imported
+    unless ``spawn`` (a case about what gets imported)."""
     prelude = "import os\nos.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')\n"
-    return subprocess.run(
-        [sys.executable, "-X", "dev", "-c", prelude + textwrap.dedent(source)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = [sys.executable, "-X", "dev", "-c", prelude + textwrap.dedent(source)]
+    return _forkserver.run(command, timeout=timeout, spawn=spawn)
 
 
 def assert_clean_exit(result: subprocess.CompletedProcess, marker: str = "done") -> None:
@@ -509,7 +507,8 @@ def test_jax_quiesce_waits_for_pending_computations():
 
 
 def test_quiesce_never_imports_a_framework():
-    result = run_python("""
+    result = run_python(
+        """
         import sys
         import jaxbuf
         buf = jaxbuf.ExtensibleTensor(2 << 20, device="cpu")
@@ -518,7 +517,9 @@ def test_quiesce_never_imports_a_framework():
         assert buf.released
         assert not {"torch", "jax"} & set(sys.modules), sorted(sys.modules)
         print("done", flush=True)
-    """)
+    """,
+        spawn=True,
+    )
     assert_clean_exit(result)
 
 

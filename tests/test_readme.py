@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import _forkserver
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,9 +22,7 @@ FRAMEWORKS_MISSING = [m for m in ("torch", "jax") if importlib.util.find_spec(m)
 
 
 def _run(example: str):
-    return subprocess.run(
-        [sys.executable, "-c", example], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
+    return _forkserver.run([sys.executable, "-c", example], timeout=300, cwd=ROOT)
 
 
 def test_readme_has_examples():

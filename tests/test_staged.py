@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import _forkserver
 import ml_dtypes
 import numpy as np
 import pytest
@@ -600,7 +601,6 @@ CONSUMERS = {
 @pytest.mark.parametrize("uva", [False, True], ids=["device-memory", "uva"])
 @pytest.mark.parametrize("consumer", list(CONSUMERS))
 def test_free_with_a_live_export_keeps_the_memory_until_it_is_dropped(consumer, uva):
-    import subprocess
     import sys
 
     module = {"torch": "torch", "jax": "jax"}.get(consumer)
@@ -608,9 +608,7 @@ def test_free_with_a_live_export_keeps_the_memory_until_it_is_dropped(consumer, 
         pytest.importorskip(module, reason=f"{module} is not installed")
     consume, read = CONSUMERS[consumer]
     source = FREE_WITH_LIVE_EXPORT.format(uva=uva, consume=consume, read=read)
-    result = subprocess.run(
-        [sys.executable, "-X", "dev", "-c", source], capture_output=True, text=True, timeout=300
-    )
+    result = _forkserver.run([sys.executable, "-X", "dev", "-c", source], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "done" in result.stdout, result.stdout
     for bad in ("Traceback", "Exception ignored", "ResourceWarning", "Fatal Python error"):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
+import _forkserver
 import numpy as np
 import pytest
 from conftest import JAX_REASON, TORCH_REASON  # rootdir conftest, on sys.path under pytest
@@ -205,7 +205,7 @@ def test_buffers_freed_at_interpreter_exit():
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = _forkserver.run([sys.executable, "-c", code])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
     assert "Exception ignored" not in result.stderr
@@ -530,7 +530,7 @@ def _run_child(code: str, **names) -> None:
     normally (a negative return code is the signal that killed it) and print "ok"."""
     prelude = "".join(f"{key} = {value!r}\n" for key, value in names.items())
     command = [sys.executable, "-c", prelude + textwrap.dedent(code)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    result = _forkserver.run(command, timeout=600)
     assert result.returncode == 0, (
         f"exit status {result.returncode} (negative: killed by that signal)\n{result.stderr}"
     )

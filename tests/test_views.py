@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import _forkserver
 import numpy as np
 import pytest
 
@@ -290,9 +291,7 @@ def test_canonical_dtype_spellings(framework):
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
-    )
+    return _forkserver.run([sys.executable, "-c", textwrap.dedent(code)], timeout=300)
 
 
 def test_thousands_of_jax_imports_and_a_donated_array():
