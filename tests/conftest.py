@@ -7,6 +7,7 @@ on CUDA; ``framework`` runs it through torch and through JAX.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import importlib.util
 import os
 import random
@@ -36,6 +37,15 @@ def pytest_configure(config):
     # inherit the environment), so that every worker runs the same seed; the header prints it.
     if "PYTEST_XDIST_WORKER" not in os.environ:
         os.environ.setdefault("JAXBUF_STATEFUL_SEED", str(random.SystemRandom().randrange(2**32)))
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection created (modules, frameworks, test items: some 300,000 objects)
+    into the collector's permanent generation. A test's ``gc.collect()`` then walks only what
+    tests made since, about 5 us instead of 150 ms; the suite calls it thousands of times.
+    Only objects alive now are frozen, so nothing a test creates escapes collection."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_report_header(config):
