@@ -394,7 +394,10 @@ def _state_machine(peers: bool):
             assert {p - base: s for p, (s, _, _) in self.driver.mapped.items()} == self.chunks
             assert self.driver.created - self.driver.released == len(self.chunks)
             for i, expected in enumerate(self.data):
-                np.testing.assert_array_equal(self.buf.segment_view(i).to_numpy(), expected)
+                got = self.buf.segment_view(i).to_numpy()
+                # array_equal first: assert_array_equal costs 5 ms per MiB, even when equal.
+                if not np.array_equal(got, expected):
+                    np.testing.assert_array_equal(got, expected)
 
         def teardown(self) -> None:
             self.buf.free()
