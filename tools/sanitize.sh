@@ -15,8 +15,8 @@
 # Which tests run: those that reach jaxbuf's C (TESTS below: the ctypes stand-ins of the CUDA
 # call module, the stager and packer, capsules and lifetimes, the C fuzz and the state
 # machine). torch 2.13 and JAX 0.10 tolerate the preloaded runtime (the state machine's torch
-# and JAX workers and test_staged import them), so nothing is left out for them. On a 2-core
-# CPU machine the whole list takes about 17 minutes under load; pass files to run fewer.
+# and JAX workers and test_staged import them), so nothing is left out for them. On an idle
+# 2-core CPU machine the whole list takes about 2.5 minutes; pass files to run fewer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
