@@ -224,6 +224,19 @@ def test_reserve_drains_the_quarantine_on_enomem(monkeypatch):
     driver.flush_quarantine()
 
 
+def test_a_lowered_budget_trims_the_quarantine_when_a_range_is_unmapped_at_once():
+    from jaxbuf.drivers import host
+
+    driver = host.HostVmmDriver(quarantine_bytes=8 * MiB)
+    for _ in range(3):
+        driver.free_reserved(driver.reserve(2 * MiB), 2 * MiB)
+    assert driver.quarantined == (3, 6 * MiB)
+    driver.quarantine_bytes = 3 * MiB  # as a lowered RLIMIT_AS lowers it
+    driver.free_reserved(driver.reserve(4 * MiB), 4 * MiB)  # beyond the budget: unmapped now
+    assert driver.quarantined == (1, 2 * MiB)
+    driver.flush_quarantine()
+
+
 # -- a rebound host array ----------------------------------------------------------------------
 def test_nonuva_refuses_a_rebound_array_of_another_shape():
     buf = jaxbuf.NonUvaBuffer(1024, "int32", device="cpu")
