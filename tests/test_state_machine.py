@@ -56,17 +56,8 @@ STEP_TIMEOUT_S = float(os.environ.get("JAXBUF_STATEFUL_STEP_TIMEOUT", "120"))
 STEP_LOG = os.environ.get("JAXBUF_STATEFUL_LOG")
 
 MIB = 1 << 20
-# Not exercised yet, each an invariant being fixed elsewhere (lift by adding the rule):
-# * a freed reservation's address space counts against the limit only while it is needed
-#   (buffers here are a few MiB, so the CPU driver's quarantine never fills);
-# * a NonUvaBuffer's uva() copies only what its (rebindable) ``np`` holds: no rule rebinds it;
-# * free() racing an export on another thread ends in an error, not a signal: steps run on
-#   one thread;
-# * full_view() exports touch only committed bytes: no rule exports a full view.
-# Faults at any call a step may make. Armed for the step that draws them only: a release
-# deferred to a deleter or finalizer (dropping the last export) runs unfaulted, because the
-# invariant "a deferred release that fails is retried and reported, never lost" does not hold
-# yet; lift that by arming faults in drop_export / collect too.
+# Faults at any call a step may make, armed for the step that draws them only; in drop_export
+# and collect they hit the releases deferred to deleters and finalizers.
 # The calls that change state, most often; the others (events, launches) now and then.
 STATEFUL_KINDS = ("reserve", "free_reserved", "create", "release", "map", "unmap", "set_access")
 STATEFUL_KINDS += ("move_mapping", "memset", "copy", "synchronize", "host_alloc", "host_free")
@@ -102,6 +93,7 @@ def make_machine(worker: Worker, framework: str):
         pools = Bundle("pools")
         swts = Bundle("swts")
         staged = Bundle("staged")
+        nonuvas = Bundle("nonuvas")
 
         def __init__(self) -> None:
             super().__init__()
@@ -186,6 +178,23 @@ def make_machine(worker: Worker, framework: str):
                 dl_device=dl_device,
             )
 
+        @rule(
+            slot=tensors,
+            kind=st.sampled_from(["numpy", framework]),
+            copy=st.booleans(),
+        )
+        def et_export_full(self, slot, kind, copy):
+            self.step("et_export_full", slot=slot, kind=kind, copy=copy and kind != "jax")
+
+        @rule(
+            slot=tensors,
+            segment=st.integers(0, 2),
+            kind=st.sampled_from(["numpy", framework]),
+            fault=faults,
+        )
+        def et_free_racing(self, slot, segment, kind, fault):
+            self.step("et_free_racing", slot=slot, segment=segment, kind=kind, fault=fault)
+
         @rule(slot=tensors, fault=faults)
         def et_release_physical(self, slot, fault):
             self.step("et_release_physical", slot=slot, fault=fault)
@@ -202,13 +211,29 @@ def make_machine(worker: Worker, framework: str):
         def et_drop(self, slot):
             self.step("et_drop", slot=slot)
 
-        @rule(index=st.integers(0, 7))
-        def drop_export(self, index):
-            self.step("drop_export", index=index)
+        @rule(index=st.integers(0, 7), fault=faults)
+        def drop_export(self, index, fault):
+            self.step("drop_export", index=index, fault=fault)
 
-        @rule()
-        def collect(self):
-            self.step("collect")
+        @rule(fault=faults)
+        def collect(self, fault):
+            self.step("collect", fault=fault)
+
+        # -- the CPU driver's quarantine under an address-space limit ------------------------
+        @rule(
+            size_mib=st.sampled_from([64, 1024, 3072]),
+            count=st.integers(1, 12),
+            headroom_mib=st.sampled_from([16, 512, 4096]),
+            fault=faults,
+        )
+        def quarantine_cycle(self, size_mib, count, headroom_mib, fault):
+            self.step(
+                "quarantine_cycle",
+                size_mib=size_mib,
+                count=count,
+                headroom_mib=headroom_mib,
+                fault=fault,
+            )
 
         # -- sharing with a second process ---------------------------------------------------
         @rule(slot=tensors, since=st.booleans())
@@ -273,6 +298,35 @@ def make_machine(worker: Worker, framework: str):
         @rule(slot=consumes(pools))
         def pool_drop(self, slot):
             self.step("pool_drop", slot=slot)
+
+        # -- NonUvaBuffer ---------------------------------------------------------------------
+        @rule(
+            target=nonuvas,
+            rows=st.integers(1, 4),
+            cols=st.integers(1, 3),
+            dtype=st.sampled_from(["int32", "float32", "int64"]),
+            fault=faults,
+        )
+        def nonuva_create(self, rows, cols, dtype, fault):
+            return self.create("nonuva_create", rows=rows, cols=cols, dtype=dtype, fault=fault)
+
+        @rule(
+            slot=nonuvas,
+            how=st.sampled_from(
+                ["in_place", "same", "smaller", "larger", "dtype", "itemsize", "strided", "list"]
+            ),
+            seed=st.integers(0, 2**16),
+        )
+        def nonuva_rebind(self, slot, how, seed):
+            self.step("nonuva_rebind", slot=slot, how=how, seed=seed)
+
+        @rule(slot=nonuvas, n=st.integers(-1, 5), fault=faults)
+        def nonuva_uva(self, slot, n, fault):
+            self.step("nonuva_uva", slot=slot, n=n, fault=fault)
+
+        @rule(slot=consumes(nonuvas))
+        def nonuva_drop(self, slot):
+            self.step("nonuva_drop", slot=slot)
 
         # -- StagedWriteTensor ---------------------------------------------------------------
         @rule(
