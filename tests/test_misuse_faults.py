@@ -183,6 +183,23 @@ def test_a_release_failing_in_a_deleter_is_reported_once_and_retried():
     driver.assert_clean()
 
 
+def test_pinned_memory_failing_in_a_finalizer_is_queued_not_leaked():
+    driver = cpu_driver()
+    buf = jaxbuf.UvaBuffer(16, "int32", device="cpu", driver=driver)
+    array = buf.np
+    buf.free()  # the array holds the pinned block: released when it goes
+    driver.fail_on("host_free")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del array
+        gc.collect()
+    messages = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert len(messages) == 1 and "retried" in messages[0], messages
+    assert jaxbuf._lifetime.deferred_releases(driver) == ["pinned host memory"]
+    jaxbuf.UvaBuffer(16, "int32", device="cpu", driver=driver).free()  # the next use
+    driver.assert_clean()
+
+
 # -- the quarantine never makes a reservation fail ---------------------------------------------
 def test_quarantine_does_not_exhaust_a_limited_address_space():
     body = r"""
