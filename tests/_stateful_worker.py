@@ -450,28 +450,29 @@ class World:
             model.freed = True
         return "freed"
 
-    def et_drop(self, slot):
+    def et_drop(self, slot, fault=None):
         model = self._et(slot)
         if model is None:
             return "no tensor"
         model.dropped = True
-        model.obj = None
         del self.ets[slot]
-        return "dropped"
+        with self._deferred(fault) as reported:  # an unfreed tensor releases itself
+            model.obj = None
+        return f"dropped, {len(reported)} deferred"
 
     # -- exports -----------------------------------------------------------------------------
     def drop_export(self, index, fault=None):
         if not self.exports:
             return "none"
         export = self.exports.pop(index % len(self.exports))
-        with self._deferred(fault):
+        with self._deferred(fault) as reported:
             export.obj = None
-        return f"dropped {export.kind}"
+        return f"dropped {export.kind}, {len(reported)} deferred"
 
     def collect(self, fault=None):
-        with self._deferred(fault):
+        with self._deferred(fault) as reported:
             gc.collect()
-        return "collected"
+        return f"collected, {len(reported)} deferred"
 
     @contextlib.contextmanager
     def _deferred(self, fault):
@@ -482,19 +483,20 @@ class World:
         unraisable = []
         hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
         fired = self.driver.faults_injected
+        reports: list[str] = []
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
                     with self._fault(fault):
-                        yield
+                        yield reports
                 except BaseException as error:  # noqa: BLE001 - reported as the violation
                     raise Violation(f"a drop raised {error!r}") from None
         finally:
             sys.unraisablehook = hook
         if unraisable:
             raise Violation(f"a finalizer raised {unraisable[0].exc_value!r} (ignored)")
-        reports = [
+        reports += [
             str(w.message)
             for w in caught
             if issubclass(w.category, ResourceWarning) and str(w.message).startswith("jaxbuf")
@@ -594,11 +596,16 @@ class World:
             state["closed"] = True
         return "closed"
 
-    def pool_drop(self, slot):
-        state = self.pools.pop(slot, None)
-        if state is None:
-            return "no pool"
-        return "dropped"
+    def pool_drop(self, slot, fault=None):
+        return self._drop(self.pools, slot, fault)
+
+    def _drop(self, objects, slot, fault):
+        """Drop the last reference to ``objects[slot]`` with ``fault`` armed (see _deferred)."""
+        if objects.get(slot) is None:
+            return "none"
+        with self._deferred(fault) as reported:
+            del objects[slot]
+        return f"dropped, {len(reported)} deferred"
 
     def _result_bytes(self, result, framework) -> np.ndarray:
         if isinstance(result, np.ndarray):
@@ -707,8 +714,8 @@ class World:
             raise Violation(f"uva({n}) reads {actual.tolist()}, np holds {state['host'][:n]}")
         return f"copied {n} rows"
 
-    def nonuva_drop(self, slot):
-        return "dropped" if self.nonuvas.pop(slot, None) is not None else "no buffer"
+    def nonuva_drop(self, slot, fault=None):
+        return self._drop(self.nonuvas, slot, fault)
 
     def _check_nonuvas(self):
         for slot, state in self.nonuvas.items():
@@ -852,8 +859,8 @@ class World:
             state["staged"] = []
         return "freed"
 
-    def swt_drop(self, slot):
-        return "dropped" if self.swts.pop(slot, None) is not None else "no tensor"
+    def swt_drop(self, slot, fault=None):
+        return self._drop(self.swts, slot, fault)
 
     def _check_swts(self):
         for slot, state in self.swts.items():
