@@ -183,6 +183,23 @@ def test_a_release_failing_in_a_deleter_is_reported_once_and_retried():
     driver.assert_clean()
 
 
+def test_pinned_memory_failing_in_a_finalizer_is_queued_not_leaked():
+    driver = cpu_driver()
+    buf = jaxbuf.UvaBuffer(16, "int32", device="cpu", driver=driver)
+    array = buf.np
+    buf.free()  # the array holds the pinned block: released when it goes
+    driver.fail_on("host_free")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del array
+        gc.collect()
+    messages = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert len(messages) == 1 and "retried" in messages[0], messages
+    assert jaxbuf._lifetime.deferred_releases(driver) == ["pinned host memory"]
+    jaxbuf.UvaBuffer(16, "int32", device="cpu", driver=driver).free()  # the next use
+    driver.assert_clean()
+
+
 # -- the quarantine never makes a reservation fail ---------------------------------------------
 def test_quarantine_does_not_exhaust_a_limited_address_space():
     body = r"""
@@ -221,6 +238,19 @@ def test_reserve_drains_the_quarantine_on_enomem(monkeypatch):
     ptr = driver.reserve(MiB)
     assert failures and driver.quarantined == (0, 0)
     driver.free_reserved(ptr, MiB)
+    driver.flush_quarantine()
+
+
+def test_a_lowered_budget_trims_the_quarantine_when_a_range_is_unmapped_at_once():
+    from jaxbuf.drivers import host
+
+    driver = host.HostVmmDriver(quarantine_bytes=8 * MiB)
+    for _ in range(3):
+        driver.free_reserved(driver.reserve(2 * MiB), 2 * MiB)
+    assert driver.quarantined == (3, 6 * MiB)
+    driver.quarantine_bytes = 3 * MiB  # as a lowered RLIMIT_AS lowers it
+    driver.free_reserved(driver.reserve(4 * MiB), 4 * MiB)  # beyond the budget: unmapped now
+    assert driver.quarantined == (1, 2 * MiB)
     driver.flush_quarantine()
 
 

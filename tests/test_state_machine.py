@@ -10,9 +10,17 @@ Invariants checked after every step (by the worker, tests/_stateful_worker.py):
 * every exception is a documented type (ValueError, TypeError, IndexError, BufferError,
   RuntimeError and its DriverError), with a message, naming the argument for bad input;
 * after an exception the object is as the model says (unchanged) and usable;
-* every live export reads what the model says;
+* every live export reads what the model says, full views too (zeros beyond the committed
+  bytes: a copy holds them, the CPU reservation reads them);
+* a release that fails in a deleter or finalizer (faults armed in the drops and collections)
+  never raises or goes unraisable: it is reported once as retried, never as a leak;
+* a NonUvaBuffer whose ``np`` was rebound copies exactly what it holds, or refuses clearly;
+* free() racing an export on another thread ends in ClosedError or success;
+* under an address-space limit the CPU driver's quarantine never makes a reservation fail
+  (ENOMEM) and holds at most a quarter of the limit;
 * the fault-injecting driver's VMM rules hold, and once every reference of an example is
-  gone (and ``gc.collect()`` ran) it holds no handle, reservation, mapping or pinned memory.
+  gone (and ``gc.collect()`` ran, and the driver was used once if a release was queued for
+  a retry) it holds no handle, reservation, mapping or pinned memory.
 
 Bounded: the default run takes well under a minute on a 2-core machine, with a fixed seed
 and one random seed (printed, in the test id; ``JAXBUF_STATEFUL_SEED`` replays one).
@@ -56,17 +64,8 @@ STEP_TIMEOUT_S = float(os.environ.get("JAXBUF_STATEFUL_STEP_TIMEOUT", "120"))
 STEP_LOG = os.environ.get("JAXBUF_STATEFUL_LOG")
 
 MIB = 1 << 20
-# Not exercised yet, each an invariant being fixed elsewhere (lift by adding the rule):
-# * a freed reservation's address space counts against the limit only while it is needed
-#   (buffers here are a few MiB, so the CPU driver's quarantine never fills);
-# * a NonUvaBuffer's uva() copies only what its (rebindable) ``np`` holds: no rule rebinds it;
-# * free() racing an export on another thread ends in an error, not a signal: steps run on
-#   one thread;
-# * full_view() exports touch only committed bytes: no rule exports a full view.
-# Faults at any call a step may make. Armed for the step that draws them only: a release
-# deferred to a deleter or finalizer (dropping the last export) runs unfaulted, because the
-# invariant "a deferred release that fails is retried and reported, never lost" does not hold
-# yet; lift that by arming faults in drop_export / collect too.
+# Faults at any call a step may make, armed for the step that draws them only; in drop_export
+# and collect they hit the releases deferred to deleters and finalizers.
 # The calls that change state, most often; the others (events, launches) now and then.
 STATEFUL_KINDS = ("reserve", "free_reserved", "create", "release", "map", "unmap", "set_access")
 STATEFUL_KINDS += ("move_mapping", "memset", "copy", "synchronize", "host_alloc", "host_free")
@@ -76,6 +75,10 @@ faults = (
     | st.tuples(st.sampled_from(STATEFUL_KINDS), st.integers(1, 3))
     | st.tuples(st.sampled_from(OTHER_KINDS), st.integers(1, 2))
 )
+# The calls a release makes: drops and collections, which run the deferred releases of deleters
+# and finalizers, arm these most.
+RELEASE_KINDS = ("synchronize", "unmap", "release", "free_reserved", "host_free", "destroy_event")
+release_faults = st.tuples(st.sampled_from(RELEASE_KINDS), st.integers(1, 2)) | faults
 capacities = st.lists(
     st.sampled_from([4096, 100_000, 2 * MIB, 3 * MIB + 256, 5 * MIB]), min_size=1, max_size=3
 )
@@ -102,6 +105,7 @@ def make_machine(worker: Worker, framework: str):
         pools = Bundle("pools")
         swts = Bundle("swts")
         staged = Bundle("staged")
+        nonuvas = Bundle("nonuvas")
 
         def __init__(self) -> None:
             super().__init__()
@@ -186,6 +190,23 @@ def make_machine(worker: Worker, framework: str):
                 dl_device=dl_device,
             )
 
+        @rule(
+            slot=tensors,
+            kind=st.sampled_from(["numpy", framework]),
+            copy=st.booleans(),
+        )
+        def et_export_full(self, slot, kind, copy):
+            self.step("et_export_full", slot=slot, kind=kind, copy=copy and kind != "jax")
+
+        @rule(
+            slot=tensors,
+            segment=st.integers(0, 2),
+            kind=st.sampled_from(["numpy", framework]),
+            fault=faults,
+        )
+        def et_free_racing(self, slot, segment, kind, fault):
+            self.step("et_free_racing", slot=slot, segment=segment, kind=kind, fault=fault)
+
         @rule(slot=tensors, fault=faults)
         def et_release_physical(self, slot, fault):
             self.step("et_release_physical", slot=slot, fault=fault)
@@ -198,17 +219,33 @@ def make_machine(worker: Worker, framework: str):
         def et_free(self, slot, fault):
             self.step("et_free", slot=slot, fault=fault)
 
-        @rule(slot=consumes(tensors))
-        def et_drop(self, slot):
-            self.step("et_drop", slot=slot)
+        @rule(slot=consumes(tensors), fault=release_faults)
+        def et_drop(self, slot, fault):
+            self.step("et_drop", slot=slot, fault=fault)
 
-        @rule(index=st.integers(0, 7))
-        def drop_export(self, index):
-            self.step("drop_export", index=index)
+        @rule(index=st.integers(0, 7), fault=release_faults)
+        def drop_export(self, index, fault):
+            self.step("drop_export", index=index, fault=fault)
 
-        @rule()
-        def collect(self):
-            self.step("collect")
+        @rule(fault=release_faults)
+        def collect(self, fault):
+            self.step("collect", fault=fault)
+
+        # -- the CPU driver's quarantine under an address-space limit ------------------------
+        @rule(
+            size_mib=st.sampled_from([64, 1024, 3072]),
+            count=st.integers(1, 12),
+            headroom_mib=st.sampled_from([16, 512, 4096]),
+            fault=faults,
+        )
+        def quarantine_cycle(self, size_mib, count, headroom_mib, fault):
+            self.step(
+                "quarantine_cycle",
+                size_mib=size_mib,
+                count=count,
+                headroom_mib=headroom_mib,
+                fault=fault,
+            )
 
         # -- sharing with a second process ---------------------------------------------------
         @rule(slot=tensors, since=st.booleans())
@@ -270,9 +307,38 @@ def make_machine(worker: Worker, framework: str):
         def pool_close(self, slot, fault):
             self.step("pool_close", slot=slot, fault=fault)
 
-        @rule(slot=consumes(pools))
-        def pool_drop(self, slot):
-            self.step("pool_drop", slot=slot)
+        @rule(slot=consumes(pools), fault=release_faults)
+        def pool_drop(self, slot, fault):
+            self.step("pool_drop", slot=slot, fault=fault)
+
+        # -- NonUvaBuffer ---------------------------------------------------------------------
+        @rule(
+            target=nonuvas,
+            rows=st.integers(1, 4),
+            cols=st.integers(1, 3),
+            dtype=st.sampled_from(["int32", "float32", "int64"]),
+            fault=faults,
+        )
+        def nonuva_create(self, rows, cols, dtype, fault):
+            return self.create("nonuva_create", rows=rows, cols=cols, dtype=dtype, fault=fault)
+
+        @rule(
+            slot=nonuvas,
+            how=st.sampled_from(
+                ["in_place", "same", "smaller", "larger", "dtype", "itemsize", "strided", "list"]
+            ),
+            seed=st.integers(0, 2**16),
+        )
+        def nonuva_rebind(self, slot, how, seed):
+            self.step("nonuva_rebind", slot=slot, how=how, seed=seed)
+
+        @rule(slot=nonuvas, n=st.integers(-1, 5), fault=faults)
+        def nonuva_uva(self, slot, n, fault):
+            self.step("nonuva_uva", slot=slot, n=n, fault=fault)
+
+        @rule(slot=consumes(nonuvas), fault=release_faults)
+        def nonuva_drop(self, slot, fault):
+            self.step("nonuva_drop", slot=slot, fault=fault)
 
         # -- StagedWriteTensor ---------------------------------------------------------------
         @rule(
@@ -319,9 +385,9 @@ def make_machine(worker: Worker, framework: str):
         def swt_free(self, slot, fault):
             self.step("swt_free", slot=slot, fault=fault)
 
-        @rule(slot=consumes(swts))
-        def swt_drop(self, slot):
-            self.step("swt_drop", slot=slot)
+        @rule(slot=consumes(swts), fault=release_faults)
+        def swt_drop(self, slot, fault):
+            self.step("swt_drop", slot=slot, fault=fault)
 
     if framework == "jax":
 

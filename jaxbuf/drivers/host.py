@@ -289,20 +289,24 @@ class HostVmmDriver(VmmDriver):
     def free_reserved(self, ptr: int, size: int) -> None:
         _check_args("munmap", size, ptr)
         budget = self._quarantine_budget()
+        parked = False
         if size > budget or not self.quarantine_ranges:
             _munmap(ptr, size)
-            return
-        # One MAP_FIXED call drops whatever is still mapped and keeps the range reserved, so
-        # a stale pointer into it faults rather than reading a later allocation's bytes.
-        try:
-            _mmap(ptr, size, _PROT_NONE, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr))
-        except DriverError:  # e.g. ENOMEM at vm.max_map_count: free without the guard
-            _munmap(ptr, size)
-            return
+        else:
+            # One MAP_FIXED call drops whatever is still mapped and keeps the range reserved,
+            # so a stale pointer into it faults rather than reading a later allocation's bytes.
+            try:
+                _mmap(ptr, size, _PROT_NONE, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr))
+                parked = True
+            except DriverError:  # e.g. ENOMEM at vm.max_map_count: free without the guard
+                _munmap(ptr, size)
+        # Evicted down to the budget on every call, also when this range was not parked: a
+        # lowered RLIMIT_AS lowers the budget below what is parked already.
         evicted = []
         with self._quarantine_lock:
-            self._quarantine.append((ptr, size))
-            self._quarantined_bytes += size
+            if parked:
+                self._quarantine.append((ptr, size))
+                self._quarantined_bytes += size
             while (
                 self._quarantined_bytes > budget or len(self._quarantine) > self.quarantine_ranges
             ):

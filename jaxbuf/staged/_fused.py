@@ -500,7 +500,7 @@ class FusedStagedWriter:
 
     def __del__(self, _release: Any = release_when_collected) -> None:
         if not getattr(self, "_closed", True):
-            _release(self.close, "a FusedStagedWriter")
+            _release(self.close, "a FusedStagedWriter", driver=getattr(self, "_driver", None))
 
 
 def _is_device_like(value: Any) -> bool:

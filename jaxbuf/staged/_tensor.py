@@ -82,7 +82,7 @@ class _Target:
 
     def __del__(self, _release: Any = release_when_collected) -> None:
         if getattr(self, "buffer", None) is not None:
-            _release(self.release, "a StagedWriteTensor's memory")
+            _release(self.release, "a StagedWriteTensor's memory", driver=self.driver)
 
 
 class StagedWriteTensor:
@@ -481,7 +481,7 @@ class StagedWriteTensor:
     def __del__(self, _release: Any = release_when_collected) -> None:
         lifetime = getattr(self, "_lifetime", None)
         if lifetime is not None and lifetime.anchor is not None:
-            _release(self.free, "a StagedWriteTensor")
+            _release(self.free, "a StagedWriteTensor", driver=getattr(self, "_driver", None))
 
     def __repr__(self) -> str:
         lifetime = getattr(self, "_lifetime", None)

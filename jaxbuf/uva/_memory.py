@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 
 from .. import interop
 from .._errors import ClosedError
-from .._lifetime import release_when_collected
+from .._lifetime import release_when_collected, retry_deferred
 from .._owner import Lifetime
 from ..devices import Device
 from ..drivers.base import VmmDriver
@@ -81,6 +81,7 @@ class _PinnedHostMemory:
         self.host_ptr = 0
         self._driver = driver
         self._sync_index = device.index if device.is_cuda else None
+        retry_deferred(driver)  # releases that failed in a finalizer: retried at next use
         # host_alloc refuses 0 bytes; an empty buffer still gets a valid pointer.
         self.host_ptr, self.device_ptr = driver.host_alloc(max(nbytes, 1), device.index)
         self.nbytes = nbytes
@@ -99,7 +100,7 @@ class _PinnedHostMemory:
 
     def __del__(self, _release: Any = release_when_collected) -> None:
         if getattr(self, "host_ptr", 0):
-            _release(self.release, "pinned host memory")
+            _release(self.release, "pinned host memory", driver=self._driver)
 
 
 class _DeviceMemory:
@@ -170,4 +171,7 @@ class _ViewOwner:
     def __del__(self, _release: Any = release_when_collected) -> None:
         event = getattr(self, "ready_event", None)
         if event is not None:  # the buffer was dropped unfreed: the last views are going
-            _release(lambda: self.driver.destroy_event(event), "a NonUvaBuffer's ready event")
+            driver = self.driver
+            _release(
+                lambda: driver.destroy_event(event), "a NonUvaBuffer's ready event", driver=driver
+            )

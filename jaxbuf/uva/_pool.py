@@ -514,7 +514,7 @@ class UvaBufferPool:
         # still hold their slots' memory.
         ring = getattr(self, "_ring", None)
         if ring is not None and ring.held:
-            _release(lambda: self._close(quiesce=False), "a UvaBufferPool")
+            _release(lambda: self._close(quiesce=False), "a UvaBufferPool", driver=self._driver)
 
 
 def _new_slot_buffer(

@@ -82,7 +82,8 @@ class DeviceEvent:
     def __del__(self, _release: Any = release_when_collected) -> None:
         handle, self.handle = self.handle, None
         if handle is not None:
-            _release(lambda: self._driver.destroy_event(handle), "a CUDA event")
+            driver = self._driver
+            _release(lambda: driver.destroy_event(handle), "a CUDA event", driver=driver)
 
 
 class PinnedSlot:
