@@ -30,7 +30,6 @@ from jaxbuf.transfer._blocks import (
     BlockTable,
     KVLayout,
     block_ids,
-    bounds,
     describe,
     split_pairs,
 )
@@ -351,13 +350,10 @@ class KVEndpoint:
             raise TypeError(f"notification must be bytes, got {type(notification).__name__}")
         local_table, local_dlist = self._local()
         remote_table, remote_dlist = self._remote(peer)
-        local_table.check_blocks(local, "local", chosen)
-        remote_table.check_blocks(remote, f"{peer.name}'s", chosen)
-        local_rows = [local_table.whole[s][local] for s in chosen]
-        remote_rows = [remote_table.whole[s][remote] for s in chosen]
-        local_index = np.concatenate(local_rows) if len(chosen) > 1 else local_rows[0]
-        remote_index = np.concatenate(remote_rows) if len(chosen) > 1 else remote_rows[0]
-        if bounds(local_index)[0] >= 0 and bounds(remote_index)[0] >= 0:
+        # Both sides' ranges are checked (IndexError) before either path is taken.
+        local_index = local_table.prepared_indices(local, "local", chosen)
+        remote_index = remote_table.prepared_indices(remote, f"{peer.name}'s", chosen)
+        if local_index is not None and remote_index is not None:
             handle = self.agent.make_prepped(
                 operation, local_dlist, local_index, remote_dlist, remote_index, notification
             )
