@@ -345,6 +345,8 @@ class World:
         model = self._et(slot)
         if model is None or model.freed:
             return "no live tensor"
+        if kind == "numpy" and self.device != "cpu":
+            return "numpy imports host memory only"
         segment %= len(model.capacities)
         view = model.obj.segment_view(segment)
         arrays, errors = [], []

@@ -65,6 +65,15 @@ import sys
 import threading
 from collections import deque
 
+from jaxbuf.drivers._posix import (
+    _MAP_FAILED,
+    _check_args,
+    _check_device,
+    _errno_name,
+    _libc,
+    _mmap,
+    _munmap,
+)
 from jaxbuf.drivers.base import K_DL_CPU, DriverError, VmmDriver
 
 __all__ = ["HostChunk", "HostVmmDriver"]
@@ -83,7 +92,6 @@ elif _MACHINE.startswith("mips"):
 else:  # asm-generic: x86, arm, arm64, riscv, s390, ...
     _MAP_NORESERVE = 0x4000
 _MAP_RESERVE_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-_MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED_NOREPLACE = 0x100000
 # mremap flags (linux/mman.h), the same on every architecture.
 _MREMAP_MAYMOVE = 1
@@ -96,49 +104,6 @@ _MAP_FILES_HINT = (
     "reopening a mapped chunk through /proc/self/map_files needs CAP_SYS_ADMIN or "
     "CAP_CHECKPOINT_RESTORE (run as root, or grant the capability to the exporting process)"
 )
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    """libc with typed ``mmap``/``munmap``; a private CDLL, so other users' argtypes stay theirs."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.mmap.restype = ctypes.c_void_p
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.munmap.restype = ctypes.c_int
-    libc.mremap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_void_p,
-    ]
-    libc.mremap.restype = ctypes.c_void_p
-    return libc
-
-
-def _errno_name(code: int) -> str:
-    return errno.errorcode.get(code, f"errno {code}")
-
-
-def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int, **details: object) -> int:
-    """``mmap`` or :class:`DriverError`; ``details`` go into the error message."""
-    result = _libc().mmap(addr, size, prot, flags, fd, 0)
-    if result is None or result == _MAP_FAILED:
-        raise DriverError("mmap", _errno_name(ctypes.get_errno()), size=size, **details)
-    return result
-
-
-def _munmap(ptr: int, size: int) -> None:
-    if _libc().munmap(ptr, size) != 0:
-        raise DriverError("munmap", _errno_name(ctypes.get_errno()), ptr=hex(ptr), size=size)
 
 
 class HostChunk:
@@ -583,22 +548,3 @@ class HostVmmDriver(VmmDriver):
         except DriverError:
             self._host_allocations[host_ptr] = size  # still mapped: still ours
             raise
-
-
-def _check_device(call: str, device_index: int) -> None:
-    if device_index != 0:
-        raise DriverError(call, "ENODEV", device=device_index)
-
-
-def _check_args(
-    call: str, size: int, ptr: int | None = None, *, pages: bool = True, **details: object
-) -> None:
-    """``size`` a positive int (a negative one would wrap to a huge ``size_t`` in ctypes);
-    with ``pages``, ``size`` and ``ptr`` (when given) multiples of the page size."""
-    # ctypes masks an int into size_t: a size past 2**63 would silently wrap to a small one.
-    valid = isinstance(size, int) and 0 < size < 1 << 63 and not (pages and size % mmap.PAGESIZE)
-    if ptr is not None:
-        valid = valid and isinstance(ptr, int) and not ptr % mmap.PAGESIZE
-        details = {"ptr": hex(ptr) if isinstance(ptr, int) else ptr, **details}
-    if not valid:
-        raise DriverError(call, "EINVAL", size=size, **details)

@@ -1,0 +1,76 @@
+"""The libc calls of the CPU driver (:mod:`jaxbuf.drivers.host`), each failing with a
+:class:`~jaxbuf.drivers.base.DriverError` that names the call, its errno and its arguments;
+and the argument checks the kernel would otherwise answer with ``EINVAL``/``ENODEV``."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import mmap
+
+from jaxbuf.drivers.base import DriverError
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """libc with typed ``mmap``/``munmap``; a private CDLL, so other users' argtypes stay theirs."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.munmap.restype = ctypes.c_int
+    libc.mremap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
+    libc.mremap.restype = ctypes.c_void_p
+    return libc
+
+
+def _errno_name(code: int) -> str:
+    return errno.errorcode.get(code, f"errno {code}")
+
+
+def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int, **details: object) -> int:
+    """``mmap`` or :class:`DriverError`; ``details`` go into the error message."""
+    result = _libc().mmap(addr, size, prot, flags, fd, 0)
+    if result is None or result == _MAP_FAILED:
+        raise DriverError("mmap", _errno_name(ctypes.get_errno()), size=size, **details)
+    return result
+
+
+def _munmap(ptr: int, size: int) -> None:
+    if _libc().munmap(ptr, size) != 0:
+        raise DriverError("munmap", _errno_name(ctypes.get_errno()), ptr=hex(ptr), size=size)
+
+
+def _check_device(call: str, device_index: int) -> None:
+    if device_index != 0:
+        raise DriverError(call, "ENODEV", device=device_index)
+
+
+def _check_args(
+    call: str, size: int, ptr: int | None = None, *, pages: bool = True, **details: object
+) -> None:
+    """``size`` a positive int (a negative one would wrap to a huge ``size_t`` in ctypes);
+    with ``pages``, ``size`` and ``ptr`` (when given) multiples of the page size."""
+    # ctypes masks an int into size_t: a size past 2**63 would silently wrap to a small one.
+    valid = isinstance(size, int) and 0 < size < 1 << 63 and not (pages and size % mmap.PAGESIZE)
+    if ptr is not None:
+        valid = valid and isinstance(ptr, int) and not ptr % mmap.PAGESIZE
+        details = {"ptr": hex(ptr) if isinstance(ptr, int) else ptr, **details}
+    if not valid:
+        raise DriverError(call, "EINVAL", size=size, **details)
