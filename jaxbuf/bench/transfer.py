@@ -207,7 +207,9 @@ def _bandwidth_rows(
     for call in calls.values():  # warm-up
         call()
         call()
-    medians = round_by_round(calls, repeat)
+    # A single block takes a few hundred microseconds, so host jitter moves its median by
+    # several percent over 15 rounds: it gets ten times as many (a fraction of a second).
+    medians = round_by_round(calls, repeat * 10 if count == 1 else repeat)
     moved = count * block
     name = f"WRITE {count} block{'s' if count > 1 else ''} ({format_bytes(moved)})"
     params = {"blocks": count, "block_bytes": block}
