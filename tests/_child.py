@@ -56,12 +56,13 @@ class Worker:
             raise AssertionError(f"the worker {self.script.name} did not start: {reply}")
 
     def call(self, op: str, **kwargs):
-        data = pickle.dumps((op, kwargs))
         try:
-            self.process.stdin.write(struct.pack("<Q", len(data)) + data)
-            self.process.stdin.flush()
-            (size,) = struct.unpack("<Q", self._read(8, op, kwargs))
-            return pickle.loads(self._read(size, op, kwargs))
+            write_frame(self.process.stdin.fileno(), (op, kwargs))
+            return read_frame(self.process.stdout.fileno(), self.timeout_s)
+        except TimeoutError:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError(f"{op}({kwargs}) hung for {self.timeout_s} s") from None
         except (BrokenPipeError, EOFError):
             code = self.process.wait()
             try:
@@ -69,22 +70,6 @@ class Worker:
             except ValueError:
                 name = f"status {code}"
             raise WorkerDied(f"the worker died ({name}) during {op}({kwargs})") from None
-
-    def _read(self, size: int, op: str, kwargs: dict) -> bytes:
-        stream = self.process.stdout
-        chunks, remaining = [], size
-        deadline = time.monotonic() + self.timeout_s
-        while remaining:
-            if not select.select([stream], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                self.process.kill()
-                self.process.wait()
-                raise AssertionError(f"{op}({kwargs}) hung for {self.timeout_s} s")
-            chunk = os.read(stream.fileno(), remaining)
-            if not chunk:
-                raise EOFError
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
 
     def close(self) -> None:
         if self.alive:
@@ -96,20 +81,48 @@ class Worker:
                 self.process.wait()
 
 
+def write_frame(fd: int, value: object) -> None:
+    """Write ``value`` to ``fd`` as one frame: its pickle's length (8 bytes, little-endian),
+    then the pickle."""
+    data = pickle.dumps(value)
+    data = struct.pack("<Q", len(data)) + data
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def read_frame(fd: int, timeout: float | None) -> object:
+    """The next frame's value from ``fd``: TimeoutError when the whole frame has not arrived
+    within ``timeout`` seconds (None: wait), EOFError when the other side closed first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def read(size: int) -> bytes:
+        chunks, remaining = [], size
+        while remaining:
+            if deadline is not None:
+                left = max(0.0, deadline - time.monotonic())
+                if not select.select([fd], [], [], left)[0]:
+                    raise TimeoutError
+            chunk = os.read(fd, remaining)
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+
+    (size,) = struct.unpack("<Q", read(8))
+    return pickle.loads(read(size))
+
+
 def serve(handle: Callable[[str, dict], object]) -> None:
     """The worker's loop: ``handle(op, kwargs)`` answers each request, until stdin closes.
 
     The protocol owns the original stdout; anything else printed (by C code too) goes to
     stderr, so it cannot corrupt a frame."""
-    out = os.fdopen(os.dup(1), "wb")
+    out = os.dup(1)
     os.dup2(2, 1)
-    inp = os.fdopen(0, "rb")
     while True:
-        header = inp.read(8)
-        if len(header) < 8:
+        try:
+            op, kwargs = read_frame(0, None)
+        except EOFError:
             return
-        (size,) = struct.unpack("<Q", header)
-        op, kwargs = pickle.loads(inp.read(size))
-        data = pickle.dumps(handle(op, kwargs))
-        out.write(struct.pack("<Q", len(data)) + data)
-        out.flush()
+        write_frame(out, handle(op, kwargs))

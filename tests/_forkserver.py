@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import atexit
 import os
-import pickle
-import select
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _child import read_frame, write_frame
 
 SPAWN_ONLY = os.environ.get("JAXBUF_TEST_CHILDREN") == "spawn"
 PRELOAD = ("numpy", "torch", "jax", "jax.numpy", "jaxbuf", "jaxbuf.interop")
@@ -95,13 +94,16 @@ class _Server:
         with tempfile.TemporaryDirectory(prefix="jaxbuf_child_") as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
             request = {**request, "stdout": str(out), "stderr": str(err)}
-            _send(self.process.stdin.fileno(), request)
-            pid = _receive(self.process.stdout, None)
-            status = _receive(self.process.stdout, timeout)
-            timed_out = status is None
-            if timed_out:
+            write_frame(self.process.stdin.fileno(), request)
+            replies = self.process.stdout.fileno()
+            pid = read_frame(replies, None)
+            timed_out = False
+            try:
+                status = read_frame(replies, timeout)
+            except TimeoutError:
+                timed_out = True
                 os.kill(pid, signal.SIGKILL)
-                status = _receive(self.process.stdout, None)
+                status = read_frame(replies, None)
             stdout, stderr = out.read_bytes(), err.read_bytes()
         if text:
             stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
@@ -134,32 +136,6 @@ def _close_servers() -> None:
         server.close()
 
 
-def _send(fd: int, value) -> None:
-    data = pickle.dumps(value)
-    data = struct.pack("<Q", len(data)) + data
-    while data:
-        data = data[os.write(fd, data) :]
-
-
-def _read_exactly(fd: int, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = os.read(fd, size - len(data))
-        if not chunk:
-            raise EOFError("the fork server exited")
-        data += chunk
-    return data
-
-
-def _receive(stream, timeout: float | None):
-    """The next reply, or None when ``timeout`` seconds pass first."""
-    fd = stream.fileno()
-    if timeout is not None and not select.select([fd], [], [], timeout)[0]:
-        return None
-    (size,) = struct.unpack("<Q", _read_exactly(fd, 8))
-    return pickle.loads(_read_exactly(fd, size))
-
-
 # -- the server side ------------------------------------------------------------------------------
 
 
@@ -177,18 +153,17 @@ def _serve() -> dict:
     gc.freeze()
     while True:
         try:
-            (size,) = struct.unpack("<Q", _read_exactly(0, 8))
+            request = read_frame(0, None)
         except EOFError:
             os._exit(0)
-        request = pickle.loads(_read_exactly(0, size))
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             return request
-        _send(1, pid)
+        write_frame(1, pid)
         _, status = os.waitpid(pid, 0)
-        _send(1, status)
+        write_frame(1, status)
 
 
 def _become(request: dict) -> tuple[str, str]:

@@ -226,7 +226,7 @@ def test_reserve_drains_the_quarantine_on_enomem(monkeypatch):
     ptr = driver.reserve(MiB)
     driver.free_reserved(ptr, MiB)
     assert driver.quarantined[0] == 1
-    real_mmap, failures = host._mmap, []
+    real_mmap, failures = host.mmap_or_raise, []
 
     def mmap_failing_once(addr, size, *args, **details):
         if addr is None and not failures:
@@ -234,7 +234,7 @@ def test_reserve_drains_the_quarantine_on_enomem(monkeypatch):
             raise DriverError("mmap", "ENOMEM", size=size)
         return real_mmap(addr, size, *args, **details)
 
-    monkeypatch.setattr(host, "_mmap", mmap_failing_once)
+    monkeypatch.setattr(host, "mmap_or_raise", mmap_failing_once)
     ptr = driver.reserve(MiB)
     assert failures and driver.quarantined == (0, 0)
     driver.free_reserved(ptr, MiB)

@@ -198,7 +198,7 @@ def test_host_free_race_with_host_alloc_reusing_the_address(monkeypatch):
     driver = host.HostVmmDriver()
     size = 8192
     ptr, _ = driver.host_alloc(size, 0)
-    real_mmap, real_munmap = host._mmap, host._munmap
+    real_mmap, real_munmap = host.mmap_or_raise, host.munmap_or_raise
     reused: list[int] = []
 
     def mmap_at_ptr(addr, length, prot, flags, fd, **details):
@@ -207,15 +207,15 @@ def test_host_free_race_with_host_alloc_reusing_the_address(monkeypatch):
     def munmap_then_other_thread_allocates(p, n):
         real_munmap(p, n)
         if p == ptr and not reused:
-            monkeypatch.setattr(host, "_mmap", mmap_at_ptr)
+            monkeypatch.setattr(host, "mmap_or_raise", mmap_at_ptr)
             try:
                 reused.append(driver.host_alloc(size, 0)[0])  # "another thread"
             finally:
-                monkeypatch.setattr(host, "_mmap", real_mmap)
+                monkeypatch.setattr(host, "mmap_or_raise", real_mmap)
 
-    monkeypatch.setattr(host, "_munmap", munmap_then_other_thread_allocates)
+    monkeypatch.setattr(host, "munmap_or_raise", munmap_then_other_thread_allocates)
     driver.host_free(ptr)
-    monkeypatch.setattr(host, "_munmap", real_munmap)
+    monkeypatch.setattr(host, "munmap_or_raise", real_munmap)
     assert reused == [ptr]
     driver.host_free(reused[0])  # failed with "not from host_alloc" before the fix
     assert driver._host_allocations == {}

@@ -327,7 +327,14 @@ def _grow_rows(
 
 
 def _reregistering_grow(
-    agent: Any, device: Any, committed: int, chunk: int, capacity: int, repeat: int, mem, dev
+    agent: Any,
+    device: Any,
+    committed: int,
+    chunk: int,
+    capacity: int,
+    repeat: int,
+    mem: str,
+    dev: int,
 ) -> float:
     """Median seconds of a one-chunk grow followed by re-registering everything committed
     (the baseline whose cost grows with the buffer)."""

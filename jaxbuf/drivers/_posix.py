@@ -11,11 +11,21 @@ import mmap
 
 from jaxbuf.drivers.base import DriverError
 
-_MAP_FAILED = ctypes.c_void_p(-1).value
+__all__ = [
+    "MAP_FAILED",
+    "check_args",
+    "check_device",
+    "errno_name",
+    "mmap_or_raise",
+    "munmap_or_raise",
+    "typed_libc",
+]
+
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
+def typed_libc() -> ctypes.CDLL:
     """libc with typed ``mmap``/``munmap``; a private CDLL, so other users' argtypes stay theirs."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.argtypes = [
@@ -40,29 +50,31 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def _errno_name(code: int) -> str:
+def errno_name(code: int) -> str:
     return errno.errorcode.get(code, f"errno {code}")
 
 
-def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int, **details: object) -> int:
+def mmap_or_raise(
+    addr: int | None, size: int, prot: int, flags: int, fd: int, **details: object
+) -> int:
     """``mmap`` or :class:`DriverError`; ``details`` go into the error message."""
-    result = _libc().mmap(addr, size, prot, flags, fd, 0)
-    if result is None or result == _MAP_FAILED:
-        raise DriverError("mmap", _errno_name(ctypes.get_errno()), size=size, **details)
+    result = typed_libc().mmap(addr, size, prot, flags, fd, 0)
+    if result is None or result == MAP_FAILED:
+        raise DriverError("mmap", errno_name(ctypes.get_errno()), size=size, **details)
     return result
 
 
-def _munmap(ptr: int, size: int) -> None:
-    if _libc().munmap(ptr, size) != 0:
-        raise DriverError("munmap", _errno_name(ctypes.get_errno()), ptr=hex(ptr), size=size)
+def munmap_or_raise(ptr: int, size: int) -> None:
+    if typed_libc().munmap(ptr, size) != 0:
+        raise DriverError("munmap", errno_name(ctypes.get_errno()), ptr=hex(ptr), size=size)
 
 
-def _check_device(call: str, device_index: int) -> None:
+def check_device(call: str, device_index: int) -> None:
     if device_index != 0:
         raise DriverError(call, "ENODEV", device=device_index)
 
 
-def _check_args(
+def check_args(
     call: str, size: int, ptr: int | None = None, *, pages: bool = True, **details: object
 ) -> None:
     """``size`` a positive int (a negative one would wrap to a huge ``size_t`` in ctypes);

@@ -66,13 +66,13 @@ import threading
 from collections import deque
 
 from jaxbuf.drivers._posix import (
-    _MAP_FAILED,
-    _check_args,
-    _check_device,
-    _errno_name,
-    _libc,
-    _mmap,
-    _munmap,
+    MAP_FAILED,
+    check_args,
+    check_device,
+    errno_name,
+    mmap_or_raise,
+    munmap_or_raise,
+    typed_libc,
 )
 from jaxbuf.drivers.base import K_DL_CPU, DriverError, VmmDriver
 
@@ -183,7 +183,7 @@ class HostVmmDriver(VmmDriver):
             parked, self._quarantine = list(self._quarantine), deque()
             self._quarantined_bytes = 0
         for ptr, size in parked:
-            _munmap(ptr, size)
+            munmap_or_raise(ptr, size)
 
     # -- probing --------------------------------------------------------------------
     @functools.cached_property
@@ -193,7 +193,7 @@ class HostVmmDriver(VmmDriver):
         if not hasattr(os, "memfd_create"):
             return "the CPU driver needs os.memfd_create, which this Python lacks."
         try:
-            _libc()
+            typed_libc()
         except (OSError, AttributeError) as exc:
             return f"the CPU driver could not load libc's mmap/munmap: {exc}."
         return None
@@ -206,15 +206,15 @@ class HostVmmDriver(VmmDriver):
 
     # -- context and granularity ----------------------------------------------------
     def ensure_context(self, device_index: int) -> None:
-        _check_device("ensure_context", device_index)
+        check_device("ensure_context", device_index)
 
     def granularity(self, device_index: int) -> int:
-        _check_device("granularity", device_index)
+        check_device("granularity", device_index)
         return mmap.PAGESIZE
 
     # -- virtual memory -------------------------------------------------------------
     def reserve(self, size: int, alignment: int = 0) -> int:
-        _check_args("reserve", size, alignment=alignment)
+        check_args("reserve", size, alignment=alignment)
         if not isinstance(alignment, int) or alignment < 0 or alignment % mmap.PAGESIZE:
             raise DriverError("reserve", "EINVAL", size=size, alignment=alignment)
         if alignment <= mmap.PAGESIZE:
@@ -225,23 +225,27 @@ class HostVmmDriver(VmmDriver):
         base = -(-raw // alignment) * alignment
         try:
             if base > raw:
-                _munmap(raw, base - raw)
+                munmap_or_raise(raw, base - raw)
             if raw + padded > base + size:
-                _munmap(base + size, raw + padded - (base + size))
+                munmap_or_raise(base + size, raw + padded - (base + size))
         except DriverError:
-            _munmap(raw, padded)  # unmapping already-trimmed pieces is harmless
+            munmap_or_raise(raw, padded)  # unmapping already-trimmed pieces is harmless
             raise
         return base
 
     def _reserve_address_space(self, size: int, alignment: int) -> int:
         """A fresh reservation; on ``ENOMEM`` the quarantine is drained, then one retry."""
         try:
-            return _mmap(None, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS, -1, alignment=alignment)
+            return mmap_or_raise(
+                None, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS, -1, alignment=alignment
+            )
         except DriverError as error:
             if error.error_name != "ENOMEM" or not self.quarantined[0]:
                 raise
             self.flush_quarantine()
-        return _mmap(None, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS, -1, alignment=alignment)
+        return mmap_or_raise(
+            None, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS, -1, alignment=alignment
+        )
 
     def _quarantine_budget(self) -> int:
         """``quarantine_bytes``, capped at a quarter of a finite ``RLIMIT_AS`` (parked ranges
@@ -252,19 +256,21 @@ class HostVmmDriver(VmmDriver):
         return min(self.quarantine_bytes, soft // 4)
 
     def free_reserved(self, ptr: int, size: int) -> None:
-        _check_args("munmap", size, ptr)
+        check_args("munmap", size, ptr)
         budget = self._quarantine_budget()
         parked = False
         if size > budget or not self.quarantine_ranges:
-            _munmap(ptr, size)
+            munmap_or_raise(ptr, size)
         else:
             # One MAP_FIXED call drops whatever is still mapped and keeps the range reserved,
             # so a stale pointer into it faults rather than reading a later allocation's bytes.
             try:
-                _mmap(ptr, size, _PROT_NONE, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr))
+                mmap_or_raise(
+                    ptr, size, _PROT_NONE, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr)
+                )
                 parked = True
             except DriverError:  # e.g. ENOMEM at vm.max_map_count: free without the guard
-                _munmap(ptr, size)
+                munmap_or_raise(ptr, size)
         # Evicted down to the budget on every call, also when this range was not parked: a
         # lowered RLIMIT_AS lowers the budget below what is parked already.
         evicted = []
@@ -279,15 +285,15 @@ class HostVmmDriver(VmmDriver):
                 self._quarantined_bytes -= old[1]
                 evicted.append(old)
         for old_ptr, old_size in evicted:
-            _munmap(old_ptr, old_size)
+            munmap_or_raise(old_ptr, old_size)
 
     def create(self, size: int, device_index: int) -> HostChunk:
-        _check_device("memfd_create", device_index)
-        _check_args("memfd_create", size)
+        check_device("memfd_create", device_index)
+        check_args("memfd_create", size)
         try:
             fd = os.memfd_create("jaxbuf-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
-            raise DriverError("memfd_create", _errno_name(exc.errno), size=size) from None
+            raise DriverError("memfd_create", errno_name(exc.errno), size=size) from None
         call = "fchmod"
         try:
             os.fchmod(fd, 0o600)  # see "Sealed chunks" in the module docstring
@@ -306,7 +312,7 @@ class HostVmmDriver(VmmDriver):
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _CHUNK_SEALS)
         except OSError as exc:
             os.close(fd)
-            raise DriverError(call, _errno_name(exc.errno), size=size) from None
+            raise DriverError(call, errno_name(exc.errno), size=size) from None
         return HostChunk(fd, size)
 
     def release(self, handle: HostChunk) -> None:
@@ -320,18 +326,18 @@ class HostVmmDriver(VmmDriver):
             try:
                 os.close(fd)
             except OSError as exc:
-                name = _errno_name(exc.errno)
+                name = errno_name(exc.errno)
                 raise DriverError("close", name, fd=fd, size=handle.size) from None
 
     def map(self, ptr: int, size: int, handle: HostChunk) -> None:
-        _check_args("mmap", size, ptr)
+        check_args("mmap", size, ptr)
         if handle.released or handle.mapped:
             state = "released" if handle.released else "mapped"
             raise DriverError("mmap", "EBADF", ptr=hex(ptr), size=size, state=state)
         if size != handle.size:
             raise DriverError("mmap", "EINVAL", ptr=hex(ptr), size=size, chunk_size=handle.size)
         prot = mmap.PROT_READ if handle.read_only else _PROT_READ_WRITE
-        _mmap(ptr, size, prot, mmap.MAP_SHARED | _MAP_FIXED, handle.fd, ptr=hex(ptr))
+        mmap_or_raise(ptr, size, prot, mmap.MAP_SHARED | _MAP_FIXED, handle.fd, ptr=hex(ptr))
         # The mapping holds its own reference to the memfd; dropping the descriptor keeps
         # open descriptors independent of the number of mapped chunks.
         fd, handle.fd = handle.fd, -1
@@ -340,10 +346,10 @@ class HostVmmDriver(VmmDriver):
         os.close(fd)
 
     def unmap(self, ptr: int, size: int) -> None:
-        _check_args("mmap", size, ptr)
+        check_args("mmap", size, ptr)
         # One MAP_FIXED call swaps the shared pages for a fresh reservation (reading zeros);
         # munmap + mmap would leave a window in which another thread could take the range.
-        _mmap(ptr, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr))
+        mmap_or_raise(ptr, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr))
 
     def move_mapping(self, handle: HostChunk, src_ptr: int, dst_ptr: int, size: int) -> None:
         """Move the chunk's mapping with ``mremap`` (the pages move, nothing is copied), then
@@ -356,8 +362,8 @@ class HostVmmDriver(VmmDriver):
         instant, ``DriverError(EEXIST)`` reports it *after* the move (the reservation then
         lacks that range).
         """
-        _check_args("mremap", size, src_ptr)
-        _check_args("mremap", size, dst_ptr)
+        check_args("mremap", size, src_ptr)
+        check_args("mremap", size, dst_ptr)
         if handle.released or not handle.mapped or handle.ptr != src_ptr or handle.size != size:
             raise DriverError(
                 "mremap",
@@ -367,29 +373,29 @@ class HostVmmDriver(VmmDriver):
                 size=size,
                 chunk=repr(handle),
             )
-        libc = _libc()
+        libc = typed_libc()
         flags = _MREMAP_MAYMOVE | _MREMAP_FIXED
         result = libc.mremap(src_ptr, size, size, flags | _MREMAP_DONTUNMAP, dst_ptr)
         keep_source = True
-        if result is None or result == _MAP_FAILED:
+        if result is None or result == MAP_FAILED:
             code = ctypes.get_errno()
             if code != errno.EINVAL:
                 raise DriverError(
-                    "mremap", _errno_name(code), src=hex(src_ptr), dst=hex(dst_ptr), size=size
+                    "mremap", errno_name(code), src=hex(src_ptr), dst=hex(dst_ptr), size=size
                 )
             keep_source = False  # a kernel without MREMAP_DONTUNMAP for shared mappings
             result = libc.mremap(src_ptr, size, size, flags, dst_ptr)
-            if result is None or result == _MAP_FAILED:
+            if result is None or result == MAP_FAILED:
                 raise DriverError(
                     "mremap",
-                    _errno_name(ctypes.get_errno()),
+                    errno_name(ctypes.get_errno()),
                     src=hex(src_ptr),
                     dst=hex(dst_ptr),
                     size=size,
                 )
         reserve_flags = _MAP_RESERVE_FLAGS | (_MAP_FIXED if keep_source else _MAP_FIXED_NOREPLACE)
         try:
-            _mmap(
+            mmap_or_raise(
                 src_ptr,
                 size,
                 _PROT_RESERVED,
@@ -403,8 +409,8 @@ class HostVmmDriver(VmmDriver):
                 # Move the pages back over the stale source mapping, so that nothing
                 # changed; dst becomes a hole, re-reserved (it was a reservation).
                 back = libc.mremap(dst_ptr, size, size, flags, src_ptr)
-                if back is not None and back != _MAP_FAILED:
-                    _mmap(
+                if back is not None and back != MAP_FAILED:
+                    mmap_or_raise(
                         dst_ptr,
                         size,
                         _PROT_RESERVED,
@@ -445,7 +451,7 @@ class HostVmmDriver(VmmDriver):
                 try:
                     return os.dup(handle.fd)
                 except OSError as exc:
-                    raise DriverError("dup", _errno_name(exc.errno), fd=handle.fd) from None
+                    raise DriverError("dup", errno_name(exc.errno), fd=handle.fd) from None
             path = f"/proc/self/fd/{handle.fd}"  # a dup would share the read-write file
         else:
             path = f"/proc/self/map_files/{handle.ptr:x}-{handle.ptr + handle.size:x}"
@@ -456,12 +462,12 @@ class HostVmmDriver(VmmDriver):
             details: dict[str, object] = {"path": path, "size": handle.size}
             if exc.errno in (errno.EPERM, errno.EACCES) and handle.fd < 0:
                 details["hint"] = _MAP_FILES_HINT
-            raise DriverError("open", _errno_name(exc.errno), **details) from None
+            raise DriverError("open", errno_name(exc.errno), **details) from None
         try:
             file_size = os.fstat(fd).st_size
         except OSError as exc:
             os.close(fd)
-            raise DriverError("fstat", _errno_name(exc.errno), path=path) from None
+            raise DriverError("fstat", errno_name(exc.errno), path=path) from None
         if file_size != handle.size:  # not this chunk's memfd: never hand it out
             os.close(fd)
             raise DriverError("open", "EINVAL", path=path, size=handle.size, file_size=file_size)
@@ -476,8 +482,8 @@ class HostVmmDriver(VmmDriver):
         truncate it and every access to our mapping would die with ``SIGBUS``. Refused
         otherwise with ``DriverError(EINVAL)`` naming the reason. A descriptor opened
         read-only gives a read-only chunk (mapped ``PROT_READ``); write-only is refused."""
-        _check_device("import_handle", device_index)
-        _check_args("import_handle", size)
+        check_device("import_handle", device_index)
+        check_args("import_handle", size)
         try:
             access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
             try:
@@ -489,7 +495,7 @@ class HostVmmDriver(VmmDriver):
             # Sealed first, measured second: the size can no longer shrink below this.
             info = os.fstat(fd)
         except (OSError, TypeError, ValueError, OverflowError) as exc:
-            name = _errno_name(getattr(exc, "errno", None) or errno.EBADF)
+            name = errno_name(getattr(exc, "errno", None) or errno.EBADF)
             raise DriverError("fstat", name, fd=fd) from None
         if not stat.S_ISREG(info.st_mode) or access == os.O_WRONLY:
             reason = "not a readable memfd"
@@ -504,36 +510,36 @@ class HostVmmDriver(VmmDriver):
         try:
             return HostChunk(os.dup(fd), size, read_only=access == os.O_RDONLY)
         except OSError as exc:
-            raise DriverError("dup", _errno_name(exc.errno), fd=fd) from None
+            raise DriverError("dup", errno_name(exc.errno), fd=fd) from None
 
     def set_access(self, ptr: int, size: int, device_index: int) -> None:
         # map() already maps read/write; only the arguments are checked.
-        _check_device("set_access", device_index)
-        _check_args("set_access", size, ptr)
+        check_device("set_access", device_index)
+        check_args("set_access", size, ptr)
 
     # -- work on the memory ---------------------------------------------------------
     def memset(self, ptr: int, value: int, size: int, device_index: int) -> None:
-        _check_device("memset", device_index)
+        check_device("memset", device_index)
         if size < 0:
             raise DriverError("memset", "EINVAL", ptr=hex(ptr), size=size)
         ctypes.memset(ptr, value, size)
 
     def copy(self, dst: int, src: int, size: int, device_index: int) -> None:
-        _check_device("memmove", device_index)
+        check_device("memmove", device_index)
         if size < 0:
             raise DriverError("memmove", "EINVAL", dst=hex(dst), src=hex(src), size=size)
         ctypes.memmove(dst, src, size)
 
     def synchronize(self, device_index: int) -> None:
-        _check_device("synchronize", device_index)
+        check_device("synchronize", device_index)
 
     # -- pinned host memory ---------------------------------------------------------
     def host_alloc(self, size: int, device_index: int) -> tuple[int, int]:
         # Not mlock'ed: RLIMIT_MEMLOCK is small by default and the CPU reads it in place anyway.
-        _check_device("host_alloc", device_index)
-        _check_args("mmap", size, pages=False)
+        check_device("host_alloc", device_index)
+        check_args("mmap", size, pages=False)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        ptr = _mmap(None, size, _PROT_READ_WRITE, flags, -1)
+        ptr = mmap_or_raise(None, size, _PROT_READ_WRITE, flags, -1)
         self._host_allocations[ptr] = size
         return ptr, ptr
 
@@ -544,7 +550,7 @@ class HostVmmDriver(VmmDriver):
         if size is None:
             raise DriverError("munmap", "EINVAL", ptr=hex(host_ptr), state="not from host_alloc")
         try:
-            _munmap(host_ptr, size)
+            munmap_or_raise(host_ptr, size)
         except DriverError:
             self._host_allocations[host_ptr] = size  # still mapped: still ours
             raise
