@@ -9,7 +9,8 @@ jaxbuf/_capsule.c). ``jaxbuf._staging`` is optional (jaxbuf.staged falls back to
 it); it needs the buffer protocol, outside the 3.10 limited API, and numpy's C API (built
 against numpy 2, which runs with every numpy jaxbuf supports). ``jaxbuf.drivers._cuda_calls``
 (optional) makes the CUDA driver's hot calls through pointers the driver hands it; it links
-no CUDA library, so it builds on any machine.
+no CUDA library, so it builds on any machine. ``jaxbuf.drivers._host_calls`` (optional) is the
+CPU driver's batched copy, a loop of memmove with the GIL released; it links nothing.
 """
 
 import numpy
@@ -27,6 +28,10 @@ setup(
         # Optional too: without it the CUDA driver calls everything through cuda.bindings.
         Extension(
             "jaxbuf.drivers._cuda_calls", sources=["jaxbuf/drivers/_cuda_calls.c"], optional=True
+        ),
+        # Optional: without it the CPU driver's copy_batch is a ctypes.memmove loop.
+        Extension(
+            "jaxbuf.drivers._host_calls", sources=["jaxbuf/drivers/_host_calls.c"], optional=True
         ),
     ]
 )

@@ -74,6 +74,7 @@ FAULT_KINDS = (
     "record_event",
     "event_query",
     "event_synchronize",
+    "copy_batch",
     "copy_on_stream",
     "launch_kernel",
     "host_alloc",
@@ -108,34 +109,13 @@ _CALL_NAMES = {
         "launch_kernel": "cuLaunchKernel",
         "host_alloc": "cuMemHostAlloc",
         "host_free": "cuMemFreeHost",
+        "copy_batch": "cuMemcpyBatchAsync",
     },
-    "cpu": {
-        "ensure_context": "ensure_context",
-        "granularity": "granularity",
-        "reserve": "mmap",
-        "free_reserved": "munmap",
-        "create": "memfd_create",
-        "release": "close",
-        "map": "mmap",
-        "unmap": "mmap",
-        "set_access": "set_access",
-        "move_mapping": "mremap",
-        "export_handle": "dup",
-        "import_handle": "dup",
-        "memset": "memset",
-        "copy": "memmove",
-        "synchronize": "synchronize",
-        "record_ready_event": "record_ready_event",
-        "stream_wait_event": "stream_wait_event",
-        "destroy_event": "destroy_event",
-        "record_event": "record_event",
-        "event_query": "event_query",
-        "event_synchronize": "event_synchronize",
-        "copy_on_stream": "copy_on_stream",
-        "launch_kernel": "launch_kernel",
-        "host_alloc": "mmap",
-        "host_free": "munmap",
-    },
+    # The CPU driver names its calls after libc's; the rest keep the kind's own name.
+    "cpu": {kind: kind for kind in FAULT_KINDS}
+    | {"reserve": "mmap", "free_reserved": "munmap", "create": "memfd_create", "release": "close"}
+    | {"map": "mmap", "unmap": "mmap", "move_mapping": "mremap", "export_handle": "dup"}
+    | {"import_handle": "dup", "copy": "memmove", "host_alloc": "mmap", "host_free": "munmap"},
 }
 
 
@@ -513,6 +493,12 @@ class FaultInjectingDriver(VmmDriver):
     def copy(self, dst: int, src: int, size: int, device_index: int) -> None:
         self._enter("copy", dst=hex(dst), src=hex(src), size=size)
         self.inner.copy(dst, src, size, device_index)
+
+    def copy_batch(self, dsts: Any, srcs: Any, sizes: Any, device_index: int) -> Any:
+        # One counted call for the whole batch, as the drivers make it; the event it returns
+        # (CUDA, or a stand-in with simulate_events) is tracked like a recorded one.
+        self._enter("copy_batch", count=len(sizes) if hasattr(sizes, "__len__") else sizes)
+        return self._track_event(self.inner.copy_batch(dsts, srcs, sizes, device_index))
 
     def synchronize(self, device_index: int) -> None:
         self._enter("synchronize", device=device_index)

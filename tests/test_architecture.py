@@ -58,8 +58,8 @@ def _module_files() -> dict[str, pathlib.Path]:
 
 
 MODULES = _module_files()
-# C extensions (jaxbuf._capsule, jaxbuf._staging, jaxbuf.drivers._cuda_calls): leaves, named
-# by their sources.
+# C extensions (jaxbuf._capsule, jaxbuf._staging, jaxbuf.drivers._cuda_calls,
+# jaxbuf.drivers._host_calls): leaves, named by their sources.
 EXTENSIONS = {
     ".".join(path.relative_to(ROOT).with_suffix("").parts)
     for path in (ROOT / "jaxbuf").rglob("*.c")

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxbuf.drivers import K_DL_CPU, DriverError, HostVmmDriver, get_vmm_driver
+from jaxbuf.drivers import host as host_module
+from jaxbuf.drivers.base import VmmDriver
 from jaxbuf.drivers.host import HostChunk
+from jaxbuf.testing import FaultInjectingDriver
 
 PAGE = mmap.PAGESIZE
 
@@ -267,3 +274,258 @@ def test_get_vmm_driver_rejects_unknown_devices():
         get_vmm_driver("tpu")
     with pytest.raises(ValueError, match="cpu"):
         get_vmm_driver("cpu:1")
+
+
+# -- copy_batch ---------------------------------------------------------------------------
+BATCH_PATHS = ["c", "ctypes"]
+
+
+@contextlib.contextmanager
+def batch_path(path: str):
+    """copy_batch through the C extension ("c", skipped when it is not built) or through the
+    ctypes fallback ("ctypes": the extension patched away)."""
+    if path == "c":
+        if host_module._host_calls is None:
+            pytest.skip("jaxbuf.drivers._host_calls is not built")
+        yield
+        return
+    saved, host_module._host_calls = host_module._host_calls, None
+    try:
+        yield
+    finally:
+        host_module._host_calls = saved
+
+
+def batch(*columns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(np.asarray(column, dtype=np.uint64) for column in columns)
+
+
+def address(array: np.ndarray, offset: int = 0) -> int:
+    return array.ctypes.data + offset
+
+
+@contextlib.contextmanager
+def two_mapped_buffers(driver, size):
+    """Two chunks mapped side by side in one reservation: a "local" and a "peer" buffer."""
+    base = driver.reserve(2 * size)
+    chunks = [driver.create(size, 0), driver.create(size, 0)]
+    for index, chunk in enumerate(chunks):
+        driver.map(base + index * size, size, chunk)
+    driver.set_access(base, 2 * size, 0)
+    try:
+        yield base, base + size
+    finally:
+        for index, chunk in enumerate(chunks):
+            driver.unmap(base + index * size, size)
+            driver.release(chunk)
+        driver.free_reserved(base, 2 * size)
+
+
+SPAN = 1 << 16
+triples = st.lists(
+    st.tuples(st.integers(0, SPAN - 1), st.integers(0, SPAN - 1), st.integers(0, 4096)),
+    max_size=64,
+)
+
+
+@pytest.mark.parametrize("path", BATCH_PATHS)
+@settings(max_examples=60, deadline=None)
+@given(triples=triples, seed=st.integers(0, 2**32 - 1))
+def test_copy_batch_matches_numpy(path, triples, seed):
+    rng = np.random.default_rng(seed)
+    source = rng.integers(0, 256, SPAN, dtype=np.uint8)
+    target = rng.integers(0, 256, SPAN, dtype=np.uint8)
+    triples = [(d, s, min(n, SPAN - d, SPAN - s)) for d, s, n in triples]
+    expected = target.copy()
+    for dst, src, size in triples:  # in order: later copies win where destinations overlap
+        expected[dst : dst + size] = source[src : src + size]
+    dsts, srcs, sizes = batch(
+        [address(target, d) for d, _, _ in triples],
+        [address(source, s) for _, s, _ in triples],
+        [n for _, _, n in triples],
+    )
+    with batch_path(path):
+        assert HostVmmDriver().copy_batch(dsts, srcs, sizes, 0) is None
+    np.testing.assert_array_equal(target, expected)
+
+
+@pytest.mark.parametrize("path", BATCH_PATHS)
+def test_copy_batch_between_two_mappings(driver, path):
+    size = 16 * PAGE
+    with two_mapped_buffers(driver, size) as (local, peer):
+        pattern = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+        ctypes.memmove(peer, pattern.ctypes.data, size)
+        blocks = np.random.default_rng(2).permutation(16)  # peer block i -> local block p[i]
+        dsts, srcs, sizes = batch(
+            local + blocks * PAGE, peer + np.arange(16) * PAGE, np.full(16, PAGE)
+        )
+        with batch_path(path):
+            driver.copy_batch(dsts, srcs, sizes, 0)
+        copied = np.frombuffer(ctypes.string_at(local, size), np.uint8).reshape(16, PAGE)
+        np.testing.assert_array_equal(copied[blocks], pattern.reshape(16, PAGE))
+
+
+@pytest.mark.parametrize("path", BATCH_PATHS)
+def test_copy_batch_of_64_mib_in_one_copy(driver, path):
+    size = 64 << 20
+    source = np.frombuffer(np.random.default_rng(3).bytes(size), np.uint8)
+    target = np.zeros(size, np.uint8)
+    with batch_path(path):
+        driver.copy_batch(*batch([address(target)], [address(source)], [size]), 0)
+    assert np.array_equal(target, source)
+
+
+@pytest.mark.parametrize("path", BATCH_PATHS)
+def test_copy_batch_empty_and_zero_sizes(driver, path):
+    target, source = np.zeros(8, np.uint8), np.arange(8, dtype=np.uint8)
+    with batch_path(path):
+        assert driver.copy_batch(*batch([], [], []), 0) is None
+        # Copies of size 0 touch nothing, even at address 0.
+        driver.copy_batch(*batch([0, address(target, 2)], [0, address(source, 5)], [0, 3]), 0)
+    assert target.tolist() == [0, 0, 5, 6, 7, 0, 0, 0]
+
+
+def _bad_batches(target, source):
+    good = batch([address(target)], [address(source)], [4])
+    dsts, srcs, sizes = good
+    two = np.zeros(2, np.uint64)
+    return [
+        ((two, srcs, sizes), ValueError, "one length, got 2, 1 and 1"),
+        ((dsts, srcs, np.zeros(0, np.uint64)), ValueError, "one length"),
+        ((dsts.astype(np.int64), srcs, sizes), TypeError, "dsts must have dtype uint64.*int64"),
+        ((dsts, srcs.astype(np.uint32), sizes), TypeError, "srcs must have dtype uint64.*uint32"),
+        ((dsts, srcs, sizes.astype(np.float64)), TypeError, "sizes must have dtype uint64"),
+        ((dsts, srcs, sizes.astype(">u8")), TypeError, "sizes must have dtype uint64 \\(native"),
+        (([address(target)], srcs, sizes), TypeError, "dsts must be a 1-D numpy array.*list"),
+        ((dsts, None, sizes), TypeError, "srcs must be a 1-D numpy array.*NoneType"),
+        ((dsts, srcs, int(sizes[0])), TypeError, "sizes must be a 1-D numpy array.*int"),
+        ((dsts.reshape(1, 1), srcs, sizes), ValueError, "dsts must be 1-D, got shape \\(1, 1\\)"),
+        ((dsts, np.uint64(srcs[0]), sizes), ValueError, "srcs must be 1-D, got shape \\(\\)"),
+        ((np.repeat(dsts, 2)[::2], srcs, sizes), None, None),  # one entry: contiguous anyway
+        ((dsts, srcs, np.repeat(sizes, 4)[::2]), ValueError, "sizes must be C-contiguous"),
+    ]
+
+
+@pytest.mark.parametrize("path", BATCH_PATHS)
+def test_copy_batch_bad_input_changes_nothing(driver, path):
+    target, source = np.zeros(8, np.uint8), np.arange(1, 9, dtype=np.uint8)
+    with batch_path(path):
+        for arguments, error, message in _bad_batches(target, source):
+            target[:] = 0
+            if error is None:  # the control: the same batch, well formed, copies
+                driver.copy_batch(*arguments, 0)
+                assert target.tolist() == [1, 2, 3, 4, 0, 0, 0, 0]
+                continue
+            with pytest.raises(error, match=message):
+                driver.copy_batch(*arguments, 0)
+            assert not target.any(), arguments
+        with pytest.raises(DriverError, match="copy_batch.*ENODEV"):
+            driver.copy_batch(*batch([address(target)], [address(source)], [4]), 1)
+        assert not target.any()
+
+
+def test_copy_batch_uses_the_c_extension_when_built():
+    module = pytest.importorskip("jaxbuf.drivers._host_calls")
+    assert host_module._host_calls is module
+
+
+def test_host_calls_copy_batch_checks_its_arguments():
+    module = pytest.importorskip("jaxbuf.drivers._host_calls")
+    target, source = np.zeros(4, np.uint8), np.arange(1, 5, dtype=np.uint8)
+    dsts, srcs, sizes = batch([address(target)], [address(source)], [4])
+    with pytest.raises(TypeError, match="3 arguments"):
+        module.copy_batch(dsts, srcs)
+    with pytest.raises(TypeError, match="srcs must be a 1-D numpy array of uint64"):
+        module.copy_batch(dsts, [1], sizes)
+    with pytest.raises(TypeError, match="sizes must have dtype uint64"):
+        module.copy_batch(dsts, srcs, sizes.astype(np.int64))
+    with pytest.raises(TypeError, match="dsts must have dtype uint64"):
+        module.copy_batch(dsts.astype(">u8"), srcs, sizes)
+    with pytest.raises(ValueError, match="srcs must be 1-D"):
+        module.copy_batch(dsts, srcs.reshape(1, 1), sizes)
+    with pytest.raises(ValueError, match="dsts must be C-contiguous"):
+        two = np.repeat(srcs, 2)
+        module.copy_batch(np.repeat(dsts, 4)[::2], two, np.repeat(sizes, 2))
+    with pytest.raises(ValueError, match="one length"):
+        module.copy_batch(np.repeat(dsts, 2), srcs, sizes)
+    empty = np.zeros(0, np.uint64)
+    module.copy_batch(empty, empty, empty)  # an empty batch reads nothing
+    assert not target.any()
+    module.copy_batch(dsts, srcs, sizes)
+    assert target.tolist() == [1, 2, 3, 4]
+
+
+def test_copy_batch_releases_the_gil():
+    # A thread spinning in Python makes progress while a batch of 128 MiB of copies runs in C.
+    # The switch interval is raised to 10 s, so the main thread never hands the GIL over on a
+    # timer: the spinner can run during the call only if the C loop released the GIL.
+    module = pytest.importorskip("jaxbuf.drivers._host_calls")
+    import sys
+    import threading
+    import time
+
+    size, count = 4 << 20, 32
+    source, target = np.ones(size, np.uint8), np.zeros(size, np.uint8)
+    dsts, srcs, sizes = batch([address(target)] * count, [address(source)] * count, [size] * count)
+    arguments = (dsts, srcs, sizes)
+    ready, done, ticks = threading.Event(), threading.Event(), [0]
+
+    def spin():
+        ready.set()
+        while not done.is_set():
+            ticks[0] += 1
+            if ticks[0] % 4096 == 0:
+                time.sleep(0)  # hands the GIL back now and then (the call must get it back)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)
+    thread = threading.Thread(target=spin)
+    try:
+        thread.start()
+        ready.wait()
+        before = ticks[0]
+        module.copy_batch(*arguments)
+        during = ticks[0] - before
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert target.all()
+    assert during > 0
+
+
+def test_the_base_class_default_copies_one_triple_at_a_time(driver):
+    target, source = np.zeros(6, np.uint8), np.arange(1, 7, dtype=np.uint8)
+    dsts, srcs, sizes = batch(
+        [address(target), address(target, 3)], [address(source, 3), address(source)], [3, 3]
+    )
+    counting = FaultInjectingDriver(driver)
+    assert VmmDriver.copy_batch(counting, dsts, srcs, sizes, 0) is None
+    assert target.tolist() == [4, 5, 6, 1, 2, 3]
+    assert counting.calls["copy"] == 2 and counting.calls["record_ready_event"] == 1
+    with pytest.raises(ValueError, match="one length"):
+        VmmDriver.copy_batch(counting, dsts, srcs[:1], sizes, 0)
+    assert counting.calls["copy"] == 2
+
+
+def test_fault_injecting_driver_counts_and_fails_copy_batch(driver):
+    target, source = np.zeros(4, np.uint8), np.arange(1, 5, dtype=np.uint8)
+    arrays = batch([address(target)], [address(source)], [4])
+    faulty = FaultInjectingDriver(driver, record_calls=True)
+    faulty.fail_on("copy_batch")
+    with pytest.raises(DriverError, match="copy_batch.*INJECTED_FAULT") as info:
+        faulty.copy_batch(*arrays, 0)
+    assert info.value.details["count"] == 1
+    assert not target.any()  # a fault fires before the copy
+    assert faulty.copy_batch(*arrays, 0) is None
+    assert target.tolist() == [1, 2, 3, 4]
+    assert faulty.calls["copy_batch"] == 2 and faulty.calls["copy"] == 0
+    assert [call.kind for call in faulty.log] == ["copy_batch", "copy_batch"]
+
+    # With simulated events the batch returns one, tracked until destroyed.
+    simulated = FaultInjectingDriver(driver, simulate_events=True)
+    event = simulated.copy_batch(*arrays, 0)
+    assert event is not None and id(event) in simulated.live_events
+    assert simulated.event_query(event)
+    simulated.destroy_event(event)
+    assert not simulated.live_events and not simulated.violations

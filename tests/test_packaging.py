@@ -216,6 +216,9 @@ def test_sdist_carries_the_license_docs_notebooks_and_linked_reports(tmp_path):
     missing = linked - names
     assert not missing, f"linked from the docs but not in the sdist (MANIFEST.in): {missing}"
     assert {"LICENSE", "README.md", "pyproject.toml", "setup.py", "jaxbuf/_capsule.c"} <= names
+    # Every C source, the optional extensions' included (jaxbuf/drivers/_host_calls.c, ...).
+    sources = {path.relative_to(ROOT).as_posix() for path in (ROOT / "jaxbuf").rglob("*.c")}
+    assert sources <= names, f"C sources not in the sdist: {sources - names}"
     for notebook in (ROOT / "notebooks").glob("*.ipynb"):
         assert f"notebooks/{notebook.name}" in names
         assert f"notebooks/{notebook.stem}.py" in names  # its jupytext source

@@ -111,6 +111,7 @@ def local():
     def make(capacity=64 * MiB, driver=None, agent=None, **kwargs):
         tensor = jaxbuf.ExtensibleTensor(capacity, "cpu", num_segments=2, driver=driver)
         agent = agent or CountingAgent(f"local{len(made)}-{id(made)}")
+        kwargs.setdefault("transport", "nixl")  # these tests are of the NIXL path
         endpoint = KVEndpoint(agent, tensor, KVLayout(BLOCK), **kwargs)
         made.append((endpoint, tensor, agent))
         return endpoint, tensor, agent

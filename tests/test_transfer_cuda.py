@@ -159,8 +159,12 @@ def test_vram_blocks_move_in_one_process_across_growth_and_defragment():
     block = 768 * 1024
     a = jaxbuf.ExtensibleTensor(64 * MiB, "cuda:0", num_segments=2)
     b = jaxbuf.ExtensibleTensor(64 * MiB, "cuda:0", num_segments=2)
-    ea = transfer.KVEndpoint(transfer.Agent("vram-a"), a, transfer.KVLayout(block))
-    eb = transfer.KVEndpoint(transfer.Agent("vram-b"), b, transfer.KVLayout(block))
+    ea = transfer.KVEndpoint(
+        transfer.Agent("vram-a"), a, transfer.KVLayout(block), transport="nixl"
+    )
+    eb = transfer.KVEndpoint(
+        transfer.Agent("vram-b"), b, transfer.KVLayout(block), transport="nixl"
+    )
     try:
         assert ea.registration.mem_type == "VRAM"
         for size in (2 * MiB, 6 * MiB):
@@ -201,7 +205,9 @@ def test_vram_blocks_move_between_two_processes():
     block = 1 * MiB
     peer = PeerProcess("vram-peer", 64 * MiB, 2, block, device="cuda:0")
     tensor = jaxbuf.ExtensibleTensor(64 * MiB, "cuda:0", num_segments=2)
-    endpoint = transfer.KVEndpoint(transfer.Agent("vram-local"), tensor, transfer.KVLayout(block))
+    endpoint = transfer.KVEndpoint(
+        transfer.Agent("vram-local"), tensor, transfer.KVLayout(block), transport="nixl"
+    )
     try:
         tensor.resize_per_segment_(4 * MiB)
         peer("grow", 2 * MiB)

@@ -17,16 +17,18 @@ def serve(
     num_segments: int,
     block_bytes: int,
     device: str = "cpu",
+    transport: str = "nixl",
 ) -> None:
-    """Answer ``(command, *args)`` tuples with ``("ok", result)`` or ``("error", repr)``."""
+    """Answer ``(command, *args)`` tuples with ``("ok", result)`` or ``("error", repr)``.
+    With ``transport="local"`` the endpoint has no NIXL agent (a name only)."""
     import numpy as np
 
     import jaxbuf
     from jaxbuf.transfer import Agent, KVEndpoint, KVLayout
 
     tensor = jaxbuf.ExtensibleTensor(capacity, device, num_segments=num_segments)
-    agent = Agent(name)
-    endpoint = KVEndpoint(agent, tensor, KVLayout(block_bytes))
+    agent = None if transport == "local" else Agent(name)
+    endpoint = KVEndpoint(agent or name, tensor, KVLayout(block_bytes), transport=transport)
 
     def fill(segment: int, seed: int) -> None:
         view = tensor.segment_view(segment)
@@ -51,6 +53,11 @@ def serve(
         "fill": fill,
         "read": read,
         "release": tensor.release_physical,
+        "recommit": lambda size: tensor.resize_per_segment_(size, zero_new=True),
+        "write_bytes": lambda segment, start, data: _write_bytes(
+            tensor, device, segment, start, data
+        ),
+        "transport": lambda peer: endpoint.peers[peer].transport,
         "defragment": tensor.defragment,
         "write": lambda peer, local, remote, note=b"": endpoint.write(
             peer, local, remote, notification=note
@@ -58,9 +65,9 @@ def serve(
         "pull": lambda peer, local, remote: endpoint.read(peer, local, remote).wait(30),
         "wait_notification": lambda peer, message: endpoint.wait_notification(peer, message, 30),
         "counts": lambda: (
-            agent.live_registrations,
-            agent.live_dlists,
-            agent.live_transfers,
+            agent.live_registrations if agent else 0,
+            agent.live_dlists if agent else 0,
+            agent.live_transfers if agent else 0,
             tensor.num_physical_chunks,
         ),
     }
@@ -69,7 +76,9 @@ def serve(
         if command == "stop":
             endpoint.close()
             tensor.free()
-            connection.send(("ok", (agent.live_registrations, agent.live_dlists)))
+            connection.send(
+                ("ok", (agent.live_registrations, agent.live_dlists) if agent else (0, 0))
+            )
             return
         try:
             connection.send(("ok", commands[command](*args)))
@@ -77,17 +86,37 @@ def serve(
             connection.send(("error", f"{type(error).__name__}: {error}"))
 
 
+def _write_bytes(tensor: Any, device: str, segment: int, start: int, data: bytes) -> None:
+    import numpy as np
+
+    values = np.frombuffer(data, dtype=np.uint8)
+    view = tensor.segment_view(segment)
+    if device == "cpu":
+        view.to_numpy()[start : start + len(values)] = values
+    else:
+        import torch
+
+        view.to_torch()[start : start + len(values)].copy_(torch.from_numpy(values.copy()))
+        torch.cuda.synchronize()
+
+
 class PeerProcess:
     """A :func:`serve` process and a call interface: ``peer("grow", 4 << 20)``."""
 
     def __init__(
-        self, name: str, capacity: int, num_segments: int, block_bytes: int, device: str = "cpu"
+        self,
+        name: str,
+        capacity: int,
+        num_segments: int,
+        block_bytes: int,
+        device: str = "cpu",
+        transport: str = "nixl",
     ) -> None:
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
         self.process = context.Process(
             target=serve,
-            args=(child, name, capacity, num_segments, block_bytes, device),
+            args=(child, name, capacity, num_segments, block_bytes, device, transport),
             daemon=True,
         )
         self.process.start()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds jaxbuf's C extensions (the capsule module, the stager and packer, the CUDA call
-# module) with AddressSanitizer and UndefinedBehaviorSanitizer in a temporary copy of the
+# module, the CPU driver's batched copy) with AddressSanitizer and UndefinedBehaviorSanitizer in a temporary copy of the
 # tree, and runs the tests that reach that C there, with the ASan runtime preloaded.
 #
 #   tools/sanitize.sh [pytest args...]      (PYTHON=... picks the interpreter; arguments
@@ -13,10 +13,11 @@
 # each risky call in a child process, which inherits the preload and the options).
 #
 # Which tests run: those that reach jaxbuf's C (TESTS below: the ctypes stand-ins of the CUDA
-# call module, the stager and packer, capsules and lifetimes, the C fuzz and the state
-# machine). torch 2.13 and JAX 0.10 tolerate the preloaded runtime (the state machine's torch
-# and JAX workers and test_staged import them), so nothing is left out for them. On an idle
-# 2-core CPU machine the whole list takes about 2.5 minutes; pass files to run fewer.
+# call module, the CPU driver's batched copy, the stager and packer, capsules and lifetimes,
+# the C fuzz and the state machine). torch 2.13 and JAX 0.10 tolerate the preloaded runtime
+# (the state machine's torch and JAX workers and test_staged import them), so nothing is left
+# out for them. On an idle 2-core CPU machine the whole list takes about 2.5 minutes; pass
+# files to run fewer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -53,7 +54,8 @@ cd "$WORK"
 # Prove the sanitized builds are the ones imported.
 "$PYTHON" - <<'EOF'
 import importlib, os
-for name in ("jaxbuf._capsule", "jaxbuf._staging", "jaxbuf.drivers._cuda_calls"):
+for name in ("jaxbuf._capsule", "jaxbuf._staging", "jaxbuf.drivers._cuda_calls",
+             "jaxbuf.drivers._host_calls"):
     module = importlib.import_module(name)
     path = os.path.realpath(module.__file__)
     assert path.startswith(os.path.realpath(os.environ["PYTHONPATH"].split(":")[0])), path
@@ -63,6 +65,7 @@ EOF
 
 TESTS=(
     tests/test_cuda_calls.py
+    tests/test_driver_host.py
     tests/test_staged.py
     tests/test_later_wins.py
     tests/test_jax_ring.py

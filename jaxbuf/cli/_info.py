@@ -53,6 +53,13 @@ def run(args: argparse.Namespace) -> int:
     if reasons["cuda"] is None:
         out.table("CUDA allocations", ["device", "chunks get", "why not more"], _allocations())
     out.table("transfer engines", ["engine", "status"], [["NIXL", _nixl_status()]])
+    from jaxbuf.transfer._report import transport_rows
+
+    out.table(
+        "KV transfers (transport='auto')",
+        ["memory", "to a process on this host, same user", "to another host"],
+        transport_rows(),
+    )
     out.table("versions", ["package", "version"], [[k, v] for k, v in versions().items()])
     try:
         default = resolve_device(None)

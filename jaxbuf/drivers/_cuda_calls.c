@@ -14,6 +14,11 @@
  * leaves error reporting to the driver. The GIL is released around each call: a launch can
  * block while the device's queue is full, and JAX's threads (capsule deleters, host
  * callbacks) must be able to run meanwhile.
+ *
+ * A transfer's block copies go through copy_batch: the whole list of (dst, src, size) in one
+ * call, through cuMemcpyBatchAsync when the driver has it (CUDA 12.8+; looked up apart from
+ * SYMBOLS, with the ABI version it was asked for, see with_memcpy_batch), else a loop of
+ * cuMemcpyAsync in C.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -37,6 +42,31 @@ typedef CUresult (*EventRecordFn)(CUevent, CUstream);
 typedef CUresult (*EventQueryFn)(CUevent);
 typedef CUresult (*MemcpyAsyncFn)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 
+/* cuMemcpyBatchAsync's attributes (cuda.h 12.8+, CUmemcpyAttributes_v1): one entry applies
+ * to the whole batch. Enums are int-sized, as CUresult. */
+typedef struct {
+    int type; /* CUmemLocationType; 0, CU_MEM_LOCATION_TYPE_INVALID: no hint */
+    int id;
+} CUmemLocation;
+typedef struct {
+    int srcAccessOrder; /* CUmemcpySrcAccessOrder */
+    CUmemLocation srcLocHint;
+    CUmemLocation dstLocHint;
+    unsigned int flags; /* CUmemcpyFlags */
+} CUmemcpyAttributes;
+enum { CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1 };
+/* Its two ABIs, by the version asked of cuGetProcAddress: CUDA 12.8's reports the index of
+ * the copy that failed (failIdx); CUDA 13.0's (cuMemcpyBatchAsync_v2) has no failIdx. */
+enum { MEMCPY_BATCH_12080 = 12080, MEMCPY_BATCH_13000 = 13000 };
+typedef CUresult (*MemcpyBatch12080Fn)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
+                                       CUmemcpyAttributes *, size_t *, size_t, size_t *,
+                                       CUstream);
+typedef CUresult (*MemcpyBatch13000Fn)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
+                                       CUmemcpyAttributes *, size_t *, size_t, CUstream);
+/* copy_batch passes the caller's uint64 arrays as CUdeviceptr[] and size_t[] as they are. */
+_Static_assert(sizeof(CUdeviceptr) == sizeof(uint64_t) && sizeof(size_t) == sizeof(uint64_t),
+               "copy_batch needs 64-bit CUdeviceptr and size_t");
+
 /* The order of SYMBOLS, which the driver looks up in this order. */
 enum { CTX_GET_CURRENT, CTX_SET_CURRENT, LAUNCH_KERNEL, EVENT_RECORD, EVENT_QUERY,
        MEMCPY_ASYNC, NUM_SYMBOLS };
@@ -48,6 +78,8 @@ static const char *const symbol_names[NUM_SYMBOLS] = {
 typedef struct {
     PyObject_HEAD
     void *entry[NUM_SYMBOLS];
+    void *memcpy_batch;       /* cuMemcpyBatchAsync, or NULL: copy_batch loops cuMemcpyAsync */
+    int memcpy_batch_version; /* the ABI of memcpy_batch (MEMCPY_BATCH_*), 0 without it */
 } EntryPoints;
 
 /* An address argument: an int, or anything with __int__ (cuda.bindings' CUevent, CUstream,
@@ -279,6 +311,131 @@ static PyObject *record_in(EntryPoints *self, PyObject *const *args, Py_ssize_t 
     return step_result(result, step);
 }
 
+/* with_memcpy_batch(address, version) -> EntryPoints: a copy of these entry points whose
+ * copy_batch calls cuMemcpyBatchAsync at `address`, the pointer cuGetProcAddress gave for
+ * MEMCPY_BATCH_SYMBOL when asked for ABI `version` (one of MEMCPY_BATCH_VERSIONS). */
+static PyObject *with_memcpy_batch(EntryPoints *self, PyObject *const *args, Py_ssize_t nargs) {
+    uintptr_t address;
+    if (check_count("with_memcpy_batch", nargs, 2) < 0 || as_address(args[0], &address) < 0)
+        return NULL;
+    long version = PyLong_AsLong(args[1]);
+    if (version == -1 && PyErr_Occurred()) return NULL;
+    if (version != MEMCPY_BATCH_12080 && version != MEMCPY_BATCH_13000) {
+        PyErr_Format(PyExc_ValueError, "no cuMemcpyBatchAsync ABI for version %ld (known: %d, %d)",
+                     version, MEMCPY_BATCH_13000, MEMCPY_BATCH_12080);
+        return NULL;
+    }
+    if (address == 0) {
+        PyErr_SetString(PyExc_ValueError, "no address for cuMemcpyBatchAsync");
+        return NULL;
+    }
+    PyTypeObject *type = Py_TYPE(self);
+    EntryPoints *copy = (EntryPoints *)type->tp_alloc(type, 0);
+    if (copy == NULL) return NULL;
+    memcpy(copy->entry, self->entry, sizeof self->entry);
+    copy->memcpy_batch = (void *)address;
+    copy->memcpy_batch_version = (int)version;
+    return (PyObject *)copy;
+}
+
+/* One cuMemcpyBatchAsync over `count` copies, none of size 0; *fail_index set to the failed
+ * copy when the ABI reports it. Without the GIL. */
+static CUresult memcpy_batch_unlocked(EntryPoints *self, const uint64_t *dsts,
+                                      const uint64_t *srcs, const uint64_t *sizes, size_t count,
+                                      CUstream stream, size_t *fail_index) {
+    /* The sources are read in stream order (after the work enqueued before), as by
+     * cuMemcpyAsync; no location hints (they are for managed memory), no flags. */
+    CUmemcpyAttributes attributes;
+    memset(&attributes, 0, sizeof attributes);
+    attributes.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+    size_t first_copy = 0; /* attributes applies to copies [0, count) */
+    CUdeviceptr *dst_ptrs = (CUdeviceptr *)dsts, *src_ptrs = (CUdeviceptr *)srcs;
+    size_t *copy_sizes = (size_t *)sizes;
+    if (self->memcpy_batch_version == MEMCPY_BATCH_13000)
+        return ((MemcpyBatch13000Fn)self->memcpy_batch)(dst_ptrs, src_ptrs, copy_sizes, count,
+                                                         &attributes, &first_copy, 1, stream);
+    size_t failed = SIZE_MAX;
+    CUresult result = ((MemcpyBatch12080Fn)self->memcpy_batch)(
+        dst_ptrs, src_ptrs, copy_sizes, count, &attributes, &first_copy, 1, &failed, stream);
+    if (result != 0 && failed < count) *fail_index = failed;
+    return result;
+}
+
+/* copy_batch(context, dsts_address, srcs_address, sizes_address, count, stream) -> 0, or
+ * (call, CUresult, index) for the call that failed (index: the copy it failed on, -1 when
+ * unknown); later copies are not enqueued, earlier ones may have been.
+ *
+ * A transfer's block copies in one call, with the GIL released once: make `context` current
+ * (only when it is not), then enqueue on `stream` the copy of sizes[i] bytes from srcs[i] to
+ * dsts[i] for each i < count, where dsts, srcs and sizes are the data addresses of three
+ * C-contiguous uint64 arrays the driver has checked. With cuMemcpyBatchAsync, one batch per
+ * run of non-empty copies (one, unless the list holds copies of size 0, which are skipped:
+ * the batch API does not say it takes them); else one cuMemcpyAsync per non-empty copy.
+ * cuMemcpyBatchAsync refuses the legacy default stream: the driver passes another. */
+static PyObject *copy_batch(EntryPoints *self, PyObject *const *args, Py_ssize_t nargs) {
+    uintptr_t context, dsts_address, srcs_address, sizes_address, stream;
+    if (check_count("copy_batch", nargs, 6) < 0 || as_address(args[0], &context) < 0 ||
+        as_address(args[1], &dsts_address) < 0 || as_address(args[2], &srcs_address) < 0 ||
+        as_address(args[3], &sizes_address) < 0 || as_address(args[5], &stream) < 0)
+        return NULL;
+    size_t count = PyLong_AsSize_t(args[4]);
+    if (count == (size_t)-1 && PyErr_Occurred()) return NULL;
+    if (count && (!dsts_address || !srcs_address || !sizes_address)) {
+        PyErr_SetString(PyExc_ValueError, "copy_batch got a NULL array address");
+        return NULL;
+    }
+    const uint64_t *dsts = (const uint64_t *)dsts_address;
+    const uint64_t *srcs = (const uint64_t *)srcs_address;
+    const uint64_t *sizes = (const uint64_t *)sizes_address;
+    const char *call = "cuCtxSetCurrent";
+    size_t fail_index = SIZE_MAX;
+    CUresult result;
+    Py_BEGIN_ALLOW_THREADS
+    result = make_current_unlocked(self, context);
+    if (result == 0 && self->memcpy_batch != NULL) {
+        call = "cuMemcpyBatchAsync";
+        size_t start = 0;
+        while (result == 0 && start < count) {
+            while (start < count && sizes[start] == 0) start++;
+            size_t end = start;
+            while (end < count && sizes[end] != 0) end++;
+            if (end > start) {
+                size_t failed = SIZE_MAX;
+                result = memcpy_batch_unlocked(self, dsts + start, srcs + start, sizes + start,
+                                               end - start, (CUstream)stream, &failed);
+                if (result != 0 && failed != SIZE_MAX) fail_index = start + failed;
+            }
+            start = end;
+        }
+    } else if (result == 0) {
+        call = "cuMemcpyAsync";
+        for (size_t i = 0; result == 0 && i < count; i++) {
+            if (sizes[i] == 0) continue;
+            result = ((MemcpyAsyncFn)self->entry[MEMCPY_ASYNC])(
+                (CUdeviceptr)dsts[i], (CUdeviceptr)srcs[i], (size_t)sizes[i], (CUstream)stream);
+            if (result != 0) fail_index = i;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (result == 0) return PyLong_FromLong(0);
+    return Py_BuildValue("(sin)", call, (int)result,
+                         fail_index == SIZE_MAX ? (Py_ssize_t)-1 : (Py_ssize_t)fail_index);
+}
+
+/* EntryPoints.memcpy_batch_version: the cuMemcpyBatchAsync ABI copy_batch calls, 0 when it
+ * loops cuMemcpyAsync. */
+static PyObject *get_memcpy_batch_version(EntryPoints *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(self->memcpy_batch_version);
+}
+
+static PyGetSetDef entry_points_getset[] = {
+    {"memcpy_batch_version", (getter)get_memcpy_batch_version, NULL,
+     "the cuMemcpyBatchAsync ABI (12080 or 13000) copy_batch calls; 0: a cuMemcpyAsync loop",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMethodDef entry_points_methods[] = {
     {"make_current", (PyCFunction)(void (*)(void))make_current, METH_FASTCALL,
      "make_current(context) -> CUresult; sets it only when another one is current"},
@@ -294,6 +451,12 @@ static PyMethodDef entry_points_methods[] = {
      "stream, kernel_params) -> 0 or (call, CUresult)"},
     {"record_in", (PyCFunction)(void (*)(void))record_in, METH_FASTCALL,
      "record_in(context, event, stream) -> 0 or (call, CUresult)"},
+    {"copy_batch", (PyCFunction)(void (*)(void))copy_batch, METH_FASTCALL,
+     "copy_batch(context, dsts_address, srcs_address, sizes_address, count, stream) -> 0 or "
+     "(call, CUresult, index)"},
+    {"with_memcpy_batch", (PyCFunction)(void (*)(void))with_memcpy_batch, METH_FASTCALL,
+     "with_memcpy_batch(address, version) -> EntryPoints whose copy_batch calls "
+     "cuMemcpyBatchAsync at address, in the ABI of version"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -305,6 +468,7 @@ static PyTypeObject EntryPointsType = {
               "ints; each method returns the CUresult as an int.",
     .tp_new = entry_points_new,
     .tp_methods = entry_points_methods,
+    .tp_getset = entry_points_getset,
 };
 
 static struct PyModuleDef cuda_calls_module = {
@@ -347,6 +511,16 @@ PyMODINIT_FUNC PyInit__cuda_calls(void) {
     }
     /* The ABI version asked of cuGetProcAddress for SYMBOLS (the signatures above). */
     if (PyModule_AddIntConstant(module, "CUDA_VERSION", 12000) < 0) goto fail;
+    /* The optional batch copy: its name, and the ABI versions with_memcpy_batch takes, newest
+     * first (the driver asks for the newest its driver version has). */
+    if (PyModule_AddStringConstant(module, "MEMCPY_BATCH_SYMBOL", "cuMemcpyBatchAsync") < 0)
+        goto fail;
+    PyObject *versions = Py_BuildValue("(ii)", MEMCPY_BATCH_13000, MEMCPY_BATCH_12080);
+    if (versions == NULL) goto fail;
+    if (PyModule_AddObject(module, "MEMCPY_BATCH_VERSIONS", versions) < 0) {
+        Py_DECREF(versions);
+        goto fail;
+    }
     return module;
 fail:
     Py_DECREF(module);

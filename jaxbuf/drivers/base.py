@@ -22,11 +22,16 @@ The model is CUDA's virtual memory management, which the CPU driver reproduces:
 from __future__ import annotations
 
 import abc
+import ctypes
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxbuf._errors import attempt
 from jaxbuf._lifetime import release_when_collected
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # DLPack device types (dlpack.h, DLDeviceType).
 K_DL_CPU = 1
@@ -242,6 +247,34 @@ class VmmDriver(abc.ABC):
     def event_synchronize(self, event: Any) -> None:
         """Block the calling thread until the work before ``event`` is done."""
 
+    def copy_batch(
+        self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, device_index: int
+    ) -> Any:
+        """Copy ``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` for every ``i``, in one call:
+        the block copies of a transfer between two mappings of this process (a local buffer
+        and a peer's imported one), any two addresses the device can reach.
+
+        ``dsts``, ``srcs``, ``sizes``: 1-D C-contiguous numpy arrays of uint64 (native byte
+        order), of one length (0 is an empty batch); checked by :func:`copy_batch_arguments`
+        before anything is copied (``TypeError`` / ``ValueError`` naming the argument).
+        Overlapping ranges are the caller's problem: the CPU copies in order, each as
+        ``memmove``; CUDA's batch runs its copies in no particular order.
+
+        Returns what the caller waits on: None on the CPU (the copies are done when it
+        returns); on CUDA an event recorded after the copies, stream-ordered on this
+        driver's stream for ``device_index``, for :meth:`event_query`,
+        :meth:`event_synchronize` and :meth:`destroy_event` (the caller owns it). If it
+        raises, no copy of the call is still in flight (the device is synchronized when
+        some may have been enqueued); the destinations' bytes are then unspecified.
+
+        This default makes one :meth:`copy` per triple, then :meth:`record_ready_event`;
+        the CPU and CUDA drivers override it with one call into C for the whole batch.
+        """
+        count, *addresses = copy_batch_arguments(dsts, srcs, sizes)
+        for dst, src, size in batch_triples(count, *addresses):
+            self.copy(dst, src, size, device_index)
+        return self.record_ready_event(device_index)
+
     def copy_on_stream(self, dst: int, src: int, size: int, stream: Any) -> None:
         """Enqueue a copy of ``size`` bytes on ``stream`` (a raw stream handle, 0 the legacy
         default stream, as :meth:`launch_kernel` takes it), in the calling thread's current
@@ -358,6 +391,59 @@ def settle_failed_launch(
     if copy is not None:
         what = "waiting for the copy enqueued before the failed launch"
         attempt(error, what, driver.synchronize, device_index)
+
+
+# The array-interface type string of native uint64 (a byte-swapped array is refused).
+_UINT64_TYPESTR = "<u8" if sys.byteorder == "little" else ">u8"
+_UINT64_SIZE = 8
+
+
+def _batch_array(name: str, array: Any) -> tuple[int, int]:
+    """``(length, data address)`` of one of :meth:`VmmDriver.copy_batch`'s arrays, read
+    through the array interface (the drivers import no numpy), or the error naming it."""
+    interface = getattr(array, "__array_interface__", None)
+    if not isinstance(interface, dict) or not isinstance(interface.get("data"), tuple):
+        raise TypeError(f"{name} must be a 1-D numpy array of uint64, got {type(array).__name__}")
+    if interface.get("typestr") != _UINT64_TYPESTR:
+        dtype = getattr(array, "dtype", interface.get("typestr"))
+        raise TypeError(f"{name} must have dtype uint64 (native byte order), got {dtype}")
+    shape = tuple(interface.get("shape", ()))
+    if len(shape) != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {shape}")
+    strides = interface.get("strides")  # None: C-contiguous
+    if strides is not None and shape[0] > 1 and tuple(strides) != (_UINT64_SIZE,):
+        raise ValueError(f"{name} must be C-contiguous, got strides {tuple(strides)}")
+    return shape[0], int(interface["data"][0])
+
+
+def copy_batch_arguments(dsts: Any, srcs: Any, sizes: Any) -> tuple[int, int, int, int]:
+    """``(count, dsts_address, srcs_address, sizes_address)`` of :meth:`VmmDriver.copy_batch`'s
+    arrays, after checking that each is a 1-D C-contiguous uint64 array and that they have
+    one length; raises ``TypeError`` / ``ValueError`` naming the bad argument otherwise.
+    The addresses are valid while the caller holds the arrays."""
+    count, dsts_address = _batch_array("dsts", dsts)
+    srcs_count, srcs_address = _batch_array("srcs", srcs)
+    sizes_count, sizes_address = _batch_array("sizes", sizes)
+    if not count == srcs_count == sizes_count:
+        raise ValueError(
+            f"dsts, srcs and sizes must have one length, got {count}, {srcs_count} and "
+            f"{sizes_count}"
+        )
+    return count, dsts_address, srcs_address, sizes_address
+
+
+def batch_triples(
+    count: int, dsts_address: int, srcs_address: int, sizes_address: int
+) -> list[tuple[int, int, int]]:
+    """The ``(dst, src, size)`` triples of checked batch arrays (addresses from
+    :func:`copy_batch_arguments`), as Python ints: what the fallbacks without C loop over."""
+    if not count:
+        return []
+    columns = [
+        list((ctypes.c_uint64 * count).from_address(address))
+        for address in (dsts_address, srcs_address, sizes_address)
+    ]
+    return list(zip(*columns))
 
 
 class DeviceMemory:

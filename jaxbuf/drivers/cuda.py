@@ -29,9 +29,11 @@ property, the shareable handle-type chain, the RDMA flag, ``cuMemCreate``'s step
 
 from __future__ import annotations
 
+import ctypes
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
+from jaxbuf._errors import attempt
 from jaxbuf.drivers._cuda_alloc import CudaAllocation
 from jaxbuf.drivers._cuda_streams import CudaStreamWork
 from jaxbuf.drivers.base import (
@@ -39,6 +41,8 @@ from jaxbuf.drivers.base import (
     K_DL_CUDA_HOST,
     DriverError,
     VmmDriver,
+    batch_triples,
+    copy_batch_arguments,
     release_cached_memory,
 )
 
@@ -60,6 +64,14 @@ try:
     _LIBRARY_NOT_FOUND = (DynamicLibNotFoundError, *_LIBRARY_NOT_FOUND)
 except ImportError:
     pass
+
+
+#: The DLPack stream number :meth:`CudaVmmDriver.copy_batch` enqueues on: the calling thread's
+#: per-thread default stream, since ``cuMemcpyBatchAsync`` refuses the legacy default stream
+#: (where ``memset`` and ``copy`` go). It is a blocking stream: a batch is ordered after the
+#: work already on the legacy default stream and before what is enqueued there later, as a
+#: ``copy`` is.
+COPY_BATCH_STREAM = 2
 
 
 def _is_wsl() -> bool:
@@ -210,9 +222,47 @@ class CudaVmmDriver(CudaAllocation, CudaStreamWork, VmmDriver):
         # (a HIP subclass's, a test's) keeps every call in the binding.
         if self._cu is _CUDA_BINDINGS:
             self._calls = self._load_calls()
+            if self._calls is not None:
+                self._calls = self._with_memcpy_batch(self._calls)
         else:
             self.c_calls_reason = "the driver runs on a stand-in binding"
         return None
+
+    def _with_memcpy_batch(self, calls: Any) -> Any:
+        """``calls`` whose ``copy_batch`` makes one ``cuMemcpyBatchAsync`` per batch when the
+        installed driver has it (CUDA 12.8+), else ``calls`` itself (a C loop of
+        ``cuMemcpyAsync``).
+
+        The symbol is asked for in the newest ABI the driver's version has (13.0's
+        ``cuMemcpyBatchAsync_v2``, without ``failIdx``, else 12.8's), never a newer one (a
+        driver refuses a version newer than itself with ``CUDA_ERROR_INVALID_VALUE``); C
+        calls the pointer with the signature of the version it was asked for.
+        """
+        from jaxbuf.drivers._cuda_calls import MEMCPY_BATCH_SYMBOL, MEMCPY_BATCH_VERSIONS
+
+        cu = self._cu
+        error, driver_version = cu.cuDriverGetVersion()
+        if error != self._success:
+            return calls
+        flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
+        for version in MEMCPY_BATCH_VERSIONS:  # newest first
+            if version > driver_version:
+                continue
+            result = cu.cuGetProcAddress(MEMCPY_BATCH_SYMBOL.encode(), version, flags)
+            if result[0] == self._success and int(result[1]):
+                return calls.with_memcpy_batch(int(result[1]), version)
+        return calls
+
+    @property
+    def copy_batch_method(self) -> str:
+        """How :meth:`copy_batch` copies here, in words (probes CUDA)."""
+        self.unavailable_reason()
+        calls = self._calls
+        if calls is None:
+            return "cuMemcpyAsync per copy through cuda.bindings"
+        if calls.memcpy_batch_version:
+            return f"cuMemcpyBatchAsync (ABI {calls.memcpy_batch_version}) from C"
+        return "cuMemcpyAsync per copy from C"
 
     def device_count(self) -> int:
         """Number of CUDA devices (0 when :meth:`unavailable_reason` is not None)."""
@@ -276,6 +326,57 @@ class CudaVmmDriver(CudaAllocation, CudaStreamWork, VmmDriver):
                 cached = (context, int(context))
                 self._primary_contexts[device_index] = cached
         return cached[0]
+
+    # -- batched copies -------------------------------------------------------------
+    def copy_batch(self, dsts, srcs, sizes, device_index: int) -> Any:
+        """The whole batch in one C call, enqueued on ``device_index``'s
+        :data:`COPY_BATCH_STREAM` in its primary context: one ``cuMemcpyBatchAsync`` where
+        the driver has it, else a loop of ``cuMemcpyAsync`` in C (a Python loop through
+        cuda.bindings where the C calls are off; :attr:`copy_batch_method` says which).
+        Returns a ``CUevent`` recorded after the copies (:meth:`record_event`), which the
+        caller gives back with :meth:`destroy_event`. Copies of size 0 are skipped. See
+        :meth:`VmmDriver.copy_batch` for the arrays and the failure contract.
+        """
+        count, *addresses = copy_batch_arguments(dsts, srcs, sizes)
+        calls, cached = self._calls, self._primary_contexts.get(device_index)
+        if calls is None or cached is None:
+            self.ensure_context(device_index)
+            cached = self._primary_contexts[device_index]
+        stream = self._dlpack_streams[COPY_BATCH_STREAM]
+        if calls is not None:
+            failure = calls.copy_batch(cached[1], *addresses, count, stream)
+        else:
+            failure = 0
+            for index, (dst, src, size) in enumerate(batch_triples(count, *addresses)):
+                if size:
+                    (error,) = self._cu.cuMemcpyAsync(dst, src, size, stream)
+                    if error != self._success:
+                        failure = ("cuMemcpyAsync", int(error), index)
+                        break
+        if failure:
+            self._raise_copy_batch(failure, count, addresses, device_index)
+        try:
+            return self.record_event(COPY_BATCH_STREAM, device_index)
+        except BaseException as error:
+            what = "waiting for the copies of the batch whose event failed"
+            attempt(error, what, self.synchronize, device_index)
+            raise
+
+    def _raise_copy_batch(
+        self, failure: tuple, count: int, addresses: list[int], device_index: int
+    ) -> NoReturn:
+        """Raise the DriverError of ``copy_batch``'s ``failure``, ``(call, CUresult, index)``,
+        once no copy it enqueued is in flight (the device is synchronized)."""
+        call, code, index = failure
+        details: dict[str, Any] = {"count": count, "device": device_index}
+        if 0 <= index < count:
+            dst, src, size = (ctypes.c_uint64.from_address(a + 8 * index).value for a in addresses)
+            details.update(index=index, dst=hex(dst), src=hex(src), size=size)
+        error = self._code_error(code, call, **details)
+        if call != "cuCtxSetCurrent":  # copies before the failed one may be enqueued
+            what = "waiting for the copies enqueued before the failed one"
+            attempt(error, what, self.synchronize, device_index)
+        raise error
 
     # -- virtual memory -------------------------------------------------------------
     def reserve(self, size: int, alignment: int = 0) -> int:

@@ -74,7 +74,18 @@ from jaxbuf.drivers._posix import (
     munmap_or_raise,
     typed_libc,
 )
-from jaxbuf.drivers.base import K_DL_CPU, DriverError, VmmDriver
+from jaxbuf.drivers.base import (
+    K_DL_CPU,
+    DriverError,
+    VmmDriver,
+    batch_triples,
+    copy_batch_arguments,
+)
+
+try:  # optional (setup.py): copy_batch's loop in C, with the GIL released
+    from jaxbuf.drivers import _host_calls
+except ImportError:
+    _host_calls = None
 
 __all__ = ["HostChunk", "HostVmmDriver"]
 
@@ -529,6 +540,18 @@ class HostVmmDriver(VmmDriver):
         if size < 0:
             raise DriverError("memmove", "EINVAL", dst=hex(dst), src=hex(src), size=size)
         ctypes.memmove(dst, src, size)
+
+    def copy_batch(self, dsts, srcs, sizes, device_index: int) -> None:
+        """Every triple's ``memmove``, in order, done when it returns: one C call with the GIL
+        released (``jaxbuf.drivers._host_calls``), a ``ctypes.memmove`` loop without it. See
+        :meth:`VmmDriver.copy_batch` for the arrays."""
+        check_device("copy_batch", device_index)
+        if _host_calls is not None:  # it checks the arrays itself, as below
+            _host_calls.copy_batch(dsts, srcs, sizes)
+            return
+        count, *addresses = copy_batch_arguments(dsts, srcs, sizes)
+        for dst, src, size in batch_triples(count, *addresses):
+            ctypes.memmove(dst, src, size)
 
     def synchronize(self, device_index: int) -> None:
         check_device("synchronize", device_index)

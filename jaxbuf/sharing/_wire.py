@@ -30,6 +30,7 @@ _HEADER = struct.Struct("!4sQI")  # magic, payload bytes, descriptor count
 _FDS_PER_BATCH = 250
 _MAX_PAYLOAD = 1 << 30
 _MAX_FDS = 1 << 20  # a header asking for more is not from send_layout
+_SUN_PATH = 108  # bytes of sockaddr_un.sun_path on Linux, the terminating NUL included
 DEFAULT_TIMEOUT = 60.0
 """Seconds that :func:`send_buffer` / :func:`recv_buffer` (and the lower-level calls) wait
 for a whole message by default; ``timeout=None`` waits forever."""
@@ -124,23 +125,62 @@ def listen_unix(path: str | os.PathLike[str], backlog: int = 8) -> socket.socket
     moment it appears there: bound in a private (0700) directory beside ``path``, chmod-ed,
     then hard-linked into place (``FileExistsError`` if ``path`` exists). Only this uid
     and root can connect; :func:`send_buffer` still checks the peer's uid. The caller
-    removes ``path`` when done."""
+    removes ``path`` when done.
+
+    Any path the file system takes will do, however long: the socket is bound through
+    ``/proc/self/fd/<the private directory>/s``, a name far shorter than ``sun_path``'s 108
+    bytes at any depth, and ``link()`` has no such limit. :func:`connect_unix` reaches it."""
     path = os.fspath(path)
     private = tempfile.mkdtemp(prefix=".jaxbuf-", dir=os.path.dirname(os.path.abspath(path)))
-    staged = os.path.join(private, "s")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    directory = -1
     try:
-        sock.bind(staged)
-        os.chmod(staged, 0o600)
+        directory = os.open(private, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        sock.bind(f"/proc/self/fd/{directory}/s")
+        os.chmod("s", 0o600, dir_fd=directory)
         sock.listen(backlog)
-        os.link(staged, path)  # the last step: nothing to undo at path if it fails
+        os.link("s", path, src_dir_fd=directory)  # the last step: nothing to undo at path
     except BaseException:
         sock.close()
         raise
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(staged)
+        if directory >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink("s", dir_fd=directory)
+            os.close(directory)
         os.rmdir(private)
+    return sock
+
+
+def connect_unix(
+    path: str | os.PathLike[str], *, timeout: float | None = DEFAULT_TIMEOUT
+) -> socket.socket:
+    """A stream socket connected to the ``AF_UNIX`` socket file ``path`` (one that
+    :func:`listen_unix` made, or any other), within ``timeout`` seconds (``None``: wait
+    forever; then ``TimeoutError``). A path longer than ``sun_path`` allows is reached
+    through ``/proc/self/fd/<an O_PATH descriptor of the socket file>``. The socket returned
+    is blocking: the sharing calls take their own timeouts."""
+    timeout = _check_timeout(timeout)
+    path = os.fspath(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    target = -1
+    try:
+        sock.settimeout(timeout)
+        if len(os.fsencode(path)) < _SUN_PATH:
+            sock.connect(path)
+        else:
+            target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            sock.connect(f"/proc/self/fd/{target}")
+        sock.settimeout(None)
+    except TimeoutError:
+        sock.close()
+        raise TimeoutError(f"connecting to {path!r} did not complete within {timeout} s") from None
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        if target >= 0:
+            os.close(target)
     return sock
 
 

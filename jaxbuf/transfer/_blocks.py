@@ -15,7 +15,19 @@ import numpy as np
 
 from jaxbuf._checks import as_int
 
-__all__ = ["BlockTable", "KVLayout", "block_ids", "bounds", "describe", "split_pairs"]
+__all__ = [
+    "MAX_PREPARED_ROWS",
+    "BlockTable",
+    "KVLayout",
+    "block_ids",
+    "bounds",
+    "describe",
+    "split_pairs",
+]
+
+MAX_PREPARED_ROWS = 1 << 20
+"""Blocks (of all segments) up to which a side's table prepares a descriptor list: bounds
+what a peer's claims cost (24 bytes of descriptor and 8 of index a block)."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +62,16 @@ class BlockTable:
     """One side's block addresses at one epoch: per layout segment, the committed blocks and
     where each lies among the registered pieces.
 
-    ``whole[s][b]`` is block ``b`` of layout segment ``s``'s row in :attr:`rows` (the
-    descriptors to prepare: address, nbytes, device id) when the block lies inside one
-    piece, else -1 (it crosses a boundary, or is not registered: :meth:`cut` tells which).
+    Registered pieces are kept as runs: the blocks of a segment that lie inside one piece
+    form one run, so building a table costs O(pieces + segments + prepared rows), never
+    O(committed blocks): committed blocks outside every piece (a peer may claim terabytes)
+    cost nothing. When the runs hold at most ``max_rows`` blocks in all (counted up to the
+    last registered block of each segment), :attr:`rows` lists them (the descriptors to
+    prepare: address, nbytes, device id) and ``whole[s][b]`` is block ``b`` of layout
+    segment ``s``'s row, or -1 (the block crosses a boundary, or is not registered:
+    :meth:`cuts` tells which); a block at or past ``len(whole[s])`` is not registered.
+    Beyond ``max_rows`` nothing is prepared (:attr:`prepared` is False) and every transfer
+    is built by hand, at a cost proportional to the blocks it moves.
     """
 
     def __init__(
@@ -61,39 +80,65 @@ class BlockTable:
         offsets: Sequence[int],
         committed: Sequence[int],
         block_bytes: int,
-        ranges: Sequence[tuple[int, int]],
+        ranges: Any,
         device_id: int,
+        max_rows: int = MAX_PREPARED_ROWS,
     ) -> None:
         self.base, self.block_bytes, self.device_id = base, block_bytes, device_id
         self.offsets = list(offsets)
         self.num_blocks = [size // block_bytes for size in committed]
-        starts = np.array([start for start, _ in ranges], dtype=np.int64)
-        ends = np.array([start + nbytes for start, nbytes in ranges], dtype=np.int64)
-        self.starts, self.ends = starts, ends
+        pieces = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        self.starts = pieces[:, 0]
+        self.ends = pieces[:, 0] + pieces[:, 1]
+        runs = [self._runs(offset, blocks) for offset, blocks in zip(self.offsets, self.num_blocks)]
+        spans = [int(ends[-1]) if len(ends) else 0 for _, ends in runs]
+        self.prepared = sum(spans) <= max_rows
+        self.min_span = min(spans, default=0)  # blocks below it are listed in every segment
         self.whole: list[np.ndarray] = []
+        self.whole_lists: list[Any] = []
+        self.rows = np.empty((0, 3), dtype=np.uint64)
+        if not self.prepared:
+            return
         rows, count = [], 0
-        for offset, blocks in zip(self.offsets, self.num_blocks):
-            block_starts = offset + np.arange(blocks, dtype=np.int64) * block_bytes
-            piece = np.searchsorted(starts, block_starts, side="right") - 1
-            inside = (piece >= 0) & (block_starts + block_bytes <= ends[np.maximum(piece, 0)])
-            index = np.full(blocks, -1, dtype=np.int64)
-            index[inside] = np.arange(count, count + int(inside.sum()))
-            count += int(inside.sum())
+        for offset, (firsts, ends), span in zip(self.offsets, runs, spans):
+            lengths = ends - firsts
+            total = int(lengths.sum())
+            # The block ids of every run, one after another, without a Python loop.
+            chosen = np.arange(total, dtype=np.int64) + np.repeat(
+                firsts - (np.cumsum(lengths) - lengths), lengths
+            )
+            index = np.full(span, -1, dtype=np.int64)
+            index[chosen] = np.arange(count, count + total)
+            count += total
             self.whole.append(index)
-            chosen = block_starts[inside]
-            segment_rows = np.empty((len(chosen), 3), dtype=np.uint64)
-            segment_rows[:, 0] = base + chosen
+            segment_rows = np.empty((total, 3), dtype=np.uint64)
+            segment_rows[:, 0] = base + offset + chosen * block_bytes
             segment_rows[:, 1] = block_bytes
             segment_rows[:, 2] = device_id
             rows.append(segment_rows)
-        self.rows = np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.uint64)
-        # The same indices as Python lists: a transfer of a few blocks looks them up without
-        # numpy's per-call overhead (microseconds, on a path whose NIXL calls take ~10 us).
-        self.whole_lists = [index.tolist() for index in self.whole]
+        if rows:
+            self.rows = np.concatenate(rows)
+        # The same indices for a transfer of a few blocks, looked up without numpy's per-call
+        # overhead (microseconds, on a path whose NIXL calls take ~10 us): Python lists while
+        # small, else memoryviews of the arrays (no copy, a little slower to index).
+        small = sum(spans) <= _LISTED_BLOCKS
+        self.whole_lists = [index.tolist() if small else memoryview(index) for index in self.whole]
 
-    def check_blocks(self, blocks: np.ndarray, side: str, segments: list[int]) -> None:
+    def _runs(self, offset: int, blocks: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(firsts, ends)``: the runs of blocks of a segment at ``offset`` with ``blocks``
+        committed blocks that lie inside one registered piece each, ``[first, end)``."""
+        block_bytes = self.block_bytes
+        low = int(np.searchsorted(self.ends, offset, side="right"))
+        high = int(np.searchsorted(self.starts, offset + blocks * block_bytes, side="left"))
+        starts, ends = self.starts[low:high] - offset, self.ends[low:high] - offset
+        firsts = np.maximum(-(-starts // block_bytes), 0)  # the first block starting inside
+        lasts = np.minimum(ends // block_bytes, blocks)  # past the last block ending inside
+        keep = lasts > firsts
+        return firsts[keep], lasts[keep]
+
+    def check_blocks(self, blocks: np.ndarray, side: str, segments: list[int]) -> int:
         """IndexError naming the first block id outside what each of ``segments`` (layout
-        positions) committed."""
+        positions) committed; else the highest block id."""
         limit = min(self.num_blocks[s] for s in segments)
         low, high = bounds(blocks)
         if low < 0 or high >= limit:
@@ -103,30 +148,39 @@ class BlockTable:
                 f"bytes are committed in each segment transferred there (committed blocks per "
                 f"segment: {self.num_blocks})"
             )
+        return high
 
     def prepared_indices(
         self, blocks: np.ndarray, side: str, segments: list[int]
     ) -> list[int] | np.ndarray | None:
         """The rows of ``blocks`` in :attr:`rows`, segment after segment (what
-        ``make_prepped_xfer`` selects), or None when a block crosses a registration boundary
-        (the caller cuts the descriptors instead); IndexError naming the first block out of
-        range, as :meth:`check_blocks`."""
-        if len(segments) == 1 and len(blocks) <= _SHORT_LIST:
-            whole = self.whole_lists[segments[0]]
+        ``make_prepped_xfer`` selects), or None when a block is not in one registered piece
+        or nothing is prepared (the caller cuts the descriptors instead); IndexError naming
+        the first block out of range, as :meth:`check_blocks`."""
+        if len(segments) == 1 and len(blocks) <= _SHORT_LIST and self.prepared:
+            segment = segments[0]
             listed = blocks.tolist()
-            if min(listed) < 0 or max(listed) >= len(whole):
+            high = max(listed)
+            if min(listed) < 0 or high >= self.num_blocks[segment]:
                 self.check_blocks(blocks, side, segments)  # raises, naming the block
+            whole = self.whole_lists[segment]
+            if high >= len(whole):
+                return None
             indices = [whole[b] for b in listed]
             return None if min(indices) < 0 else indices
-        self.check_blocks(blocks, side, segments)
+        high = self.check_blocks(blocks, side, segments)
+        if not self.prepared:
+            return None
+        if high >= self.min_span and any(high >= len(self.whole[s]) for s in segments):
+            return None
         rows = [self.whole[s][blocks] for s in segments]
         index = np.concatenate(rows) if len(rows) > 1 else rows[0]
         return index if bounds(index)[0] >= 0 else None
 
     def cuts(self, segment: int, block: int, side: str) -> list[int]:
         """Offsets inside block ``block`` of layout segment ``segment`` where a registered
-        piece ends, plus 0 and ``block_bytes``; ValueError naming the block when part of it
-        is not registered."""
+        piece ends, plus 0 and ``block_bytes``; ValueError naming the block and the side when
+        part of it is not registered."""
         start = self.offsets[segment] + block * self.block_bytes
         end = start + self.block_bytes
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
@@ -144,6 +198,7 @@ class BlockTable:
 
 
 _SHORT_LIST = 16  # blocks up to which Python lists beat numpy indexing
+_LISTED_BLOCKS = 1 << 18  # blocks up to which a table also keeps its indices as Python lists
 
 
 def bounds(values: np.ndarray) -> tuple[int, int]:

@@ -18,11 +18,10 @@ registered is refused with an error naming it before NIXL is called.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from jaxbuf._checks import as_int
 from jaxbuf.dtypes import uint8
@@ -30,110 +29,48 @@ from jaxbuf.transfer._blocks import (
     BlockTable,
     KVLayout,
     block_ids,
-    describe,
     split_pairs,
 )
-from jaxbuf.transfer._nixl import LOCAL_AGENT, Agent
+from jaxbuf.transfer._local import (
+    LocalLink,
+    LocalServer,
+    host_identity,
+)
+from jaxbuf.transfer._nixl import LOCAL_AGENT, Agent, metadata_agent_name
 from jaxbuf.transfer._registration import DEFAULT_RELEASE_TIMEOUT, Registration
-from jaxbuf.transfer._wire import RemoteLayout, decode, encode
+from jaxbuf.transfer._same_host import link_peer, post_local
+from jaxbuf.transfer._transfer import Transfer, TransferError
+from jaxbuf.transfer._wire import LocalAddress, RemoteLayout, check_update, decode, encode
 from jaxbuf.views import BufferView
 
-__all__ = ["KVEndpoint", "KVLayout", "Peer", "Transfer", "TransferError"]
+__all__ = ["TRANSPORTS", "KVEndpoint", "KVLayout", "Peer", "Transfer", "TransferError"]
 
-DEFAULT_TIMEOUT = 60.0
-"""Seconds :meth:`Transfer.wait` waits by default."""
-# Poll without sleeping this long: small transfers finish in microseconds, and a sleep costs
-# a scheduler round trip (tens of microseconds, far more on a loaded machine).
-_SPIN_SECONDS = 2e-3
-
-
-class TransferError(RuntimeError):
-    """NIXL reported a transfer failed; the message names the blocks."""
-
-
-class Transfer:
-    """One posted block transfer. :meth:`wait` returns when it is done (raising
-    :class:`TransferError` if NIXL reports a failure, ``TimeoutError`` after ``timeout``);
-    the NIXL handle is released once it has finished."""
-
-    def __init__(
-        self,
-        agent: Agent,
-        handle: Any,
-        request: tuple[str, np.ndarray, str, np.ndarray],
-        registration: Registration,
-        state: str,
-    ) -> None:
-        self._agent, self._handle = agent, handle
-        # (operation, local blocks, peer name, remote blocks): described only when needed.
-        self._request = request
-        self._registration = registration
-        self.error: str | None = None
-        self.finished = False
-        if state == "PROC":
-            registration.track(self)
-        else:  # done (or failed) in the post itself, as small transfers often are
-            self.finished = True
-            self.error = None if state == "DONE" else f"NIXL reported {state}"
-            self._handle = None
-            agent.release_transfer(handle)
-
-    @property
-    def what(self) -> str:
-        """The request in words: ``WRITE of blocks [0, 1] <-> peer:blocks [4, 5]``."""
-        operation, local, peer, remote = self._request
-        return f"{operation} of {describe(local)} <-> {peer}:{describe(remote)}"
-
-    def __repr__(self) -> str:
-        return f"Transfer({self.what})"
-
-    def _finish(self, error: str | None) -> None:
-        self.finished, self.error = True, error
-        self._registration.untrack(self)
-        handle, self._handle = self._handle, None
-        self._agent.release_transfer(handle)
-
-    def settle(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the transfer to finish (done or failed);
-        whether it has. Never raises a failure of the transfer (:meth:`wait` does)."""
-        if self.finished:
-            return True
-        agent, handle = self._agent, self._handle
-        start = time.monotonic()
-        while True:
-            state = agent.state(handle)
-            if state != "PROC":
-                self._finish(None if state == "DONE" else f"NIXL reported {state}")
-                return True
-            waited = time.monotonic() - start
-            if waited >= timeout:
-                return False
-            if waited > _SPIN_SECONDS:
-                time.sleep(min(1e-4, timeout - waited))
-
-    def wait(self, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Wait for the transfer; TimeoutError (it stays in flight) or TransferError."""
-        if not self.settle(timeout):
-            raise TimeoutError(f"{self.what} did not finish within {timeout} s")
-        if self.error is not None:
-            raise TransferError(f"{self.what} failed: {self.error}")
-
-    @property
-    def done(self) -> bool:
-        """Whether the transfer has finished, checked now (without waiting)."""
-        return self.settle(0.0)
+TRANSPORTS = ("auto", "local", "nixl")
+"""``transport=`` choices: ``"local"`` the same-host transport (chunks imported through
+:mod:`jaxbuf.sharing`, driver copies), ``"nixl"`` NIXL, ``"auto"`` the same-host transport
+for a peer on this host under this uid whose socket answers, NIXL otherwise."""
 
 
 class Peer:
     """The other endpoint as this one knows it: its validated
-    :class:`~jaxbuf.transfer._wire.RemoteLayout`, and the prepared descriptor list of its
-    blocks (made again when its metadata changes)."""
+    :class:`~jaxbuf.transfer._wire.RemoteLayout`, the :attr:`transport` that moves its
+    blocks (``"local"`` or ``"nixl"``), and for NIXL the prepared descriptor list of its
+    blocks (made again when its metadata changes), for the same-host transport the
+    :attr:`link` holding its imported buffer and the buffer segments of its layout
+    (:attr:`segments`)."""
 
     def __init__(self, layout: RemoteLayout) -> None:
         self.layout = layout
         self.name = layout.agent
         self.table: BlockTable | None = None
         self.dlist: Any = None
+        self.link: LocalLink | None = None
+        self.segments: tuple[int, ...] = ()
+
+    @property
+    def transport(self) -> str:
+        """``"local"`` (the same-host transport) or ``"nixl"``."""
+        return "nixl" if self.link is None else "local"
 
 
 class KVEndpoint:
@@ -158,23 +95,40 @@ class KVEndpoint:
 
     def __init__(
         self,
-        agent: Agent,
+        agent: Agent | str,
         tensor: Any,
         layout: KVLayout,
         *,
+        transport: str = "auto",
         registration: Registration | None = None,
         release_timeout: float = DEFAULT_RELEASE_TIMEOUT,
     ) -> None:
+        if isinstance(agent, str):
+            if not agent or len(agent) > 256:
+                raise ValueError(f"an endpoint name must be 1-256 characters, got {agent!r}")
+            name, nixl_agent = agent, None
+        elif isinstance(agent, Agent):
+            name, nixl_agent = agent.name, agent
+        else:
+            raise TypeError(
+                f"agent must be a jaxbuf.transfer.Agent (NIXL) or a name (same-host transport "
+                f"only), got {type(agent).__name__}"
+            )
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "nixl" and nixl_agent is None:
+            raise ValueError("transport='nixl' needs a jaxbuf.transfer.Agent, not a name")
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {layout!r}")
         self.segments = layout.segments_of(tensor)
-        self.layout, self.agent, self.tensor = layout, agent, tensor
+        self.layout, self.agent, self.tensor = layout, nixl_agent, tensor
+        self.name, self.transport = name, transport
         self._owns_registration = registration is None
         if registration is None:
             registration = Registration(
-                agent, tensor, self.segments, release_timeout=release_timeout
+                nixl_agent, tensor, self.segments, release_timeout=release_timeout
             )
-        elif registration.tensor is not tensor or registration.agent is not agent:
+        elif registration.tensor is not tensor or registration.agent is not nixl_agent:
             raise ValueError("the registration is of another tensor or agent")
         self.registration = registration
         self.peers: dict[str, Peer] = {}
@@ -183,20 +137,31 @@ class KVEndpoint:
         self._dlist: Any = None
         self._pending_notifications: dict[str, list[bytes]] = {}
         self._all_segments = list(range(len(self.segments)))
+        # The same-host server starts with the first metadata(): an endpoint that never
+        # publishes runs no thread.
+        self._server: LocalServer | None = None
+        # The version of the last remote_layout(): every message is newer than the last.
+        self._layout_version = 0
         self.closed = False
 
     def __repr__(self) -> str:
-        return f"KVEndpoint(agent={self.agent.name!r}, peers={sorted(self.peers)})"
+        return f"KVEndpoint(name={self.name!r}, peers={sorted(self.peers)})"
 
     # -- metadata ---------------------------------------------------------------------
     def remote_layout(self) -> RemoteLayout:
-        """What a peer learns about this side (see :mod:`jaxbuf.transfer._wire`)."""
+        """What a peer learns about this side (see :mod:`jaxbuf.transfer._wire`).
+
+        Its ``epoch`` is this side's layout version, one more with every layout made: not
+        the registration epoch, since growth inside a mapped chunk changes no registration
+        yet a peer must learn it, and a layout sent again after nothing changed must not be
+        refused as stale either."""
         tensor, registration = self.tensor, self.registration
         offsets, capacities = tensor.segment_offsets, tensor.segment_capacities
-        committed = tensor.committed_sizes
+        committed = tuple(tensor.committed_sizes[s] for s in self.segments)
+        self._layout_version += 1
         return RemoteLayout(
-            agent=self.agent.name,
-            epoch=registration.epoch,
+            agent=self.name,
+            epoch=self._layout_version,
             mem_type=registration.mem_type,
             device_id=registration.device_id,
             base=tensor.base_ptr,
@@ -204,16 +169,29 @@ class KVEndpoint:
             block_bytes=self.layout.block_bytes,
             segment_offsets=tuple(offsets[s] for s in self.segments),
             segment_capacities=tuple(capacities[s] for s in self.segments),
-            committed=tuple(committed[s] for s in self.segments),
+            committed=committed,
             registrations=tuple(registration.registered_ranges()),
-            nixl_metadata=self.agent.metadata(),
+            nixl_metadata=self.agent.metadata() if self.agent is not None else b"",
         )
 
     def metadata(self) -> bytes:
         """The message to send to peers now, and again after this side grows, releases or
-        defragments (its epoch says which is newer)."""
+        defragments (its epoch says which is newer).
+
+        Unless ``transport="nixl"``, it also offers this buffer to same-host peers: the
+        host's boot id, this uid and the address of a socket that serves the chunks mapped
+        now (chunks unmapped later are withdrawn at once, before they are unmapped)."""
         self._check_open()
-        return encode(self.remote_layout())
+        layout = self.remote_layout()
+        if self.transport != "nixl":
+            if self._server is None:
+                self._server = LocalServer(self.tensor, self.name)
+            if self._server.publish():
+                boot_id, uid = host_identity()
+                layout = dataclasses.replace(
+                    layout, local=LocalAddress(boot_id, uid, self._server.address)
+                )
+        return encode(layout)
 
     def connect(self, message: bytes) -> Peer:
         """Learn a peer from its :meth:`metadata` message, or learn a known peer's growth.
@@ -223,11 +201,16 @@ class KVEndpoint:
         against its last message (newer epoch, same reservation). A peer that dropped
         registrations is forgotten by NIXL and loaded again, so no stale registration of it
         stays usable here.
+
+        A refused message changes nothing: every check (the NIXL metadata's own agent name
+        included, read without loading it) comes before NIXL is touched, and a NIXL load
+        that fails after all puts back the peer's last metadata.
         """
         self._check_open()
-        peek = decode(message)
-        known = self.peers.get(peek.agent)
-        layout = peek if known is None else decode(message, known.layout)
+        layout = decode(message)
+        known = self.peers.get(layout.agent)
+        if known is not None:
+            check_update(known.layout, layout)
         if layout.block_bytes != self.layout.block_bytes:
             raise ValueError(
                 f"peer {layout.agent!r} uses blocks of {layout.block_bytes} bytes, this "
@@ -238,18 +221,38 @@ class KVEndpoint:
                 f"peer {layout.agent!r} has {len(layout.segment_offsets)} segment(s) in its "
                 f"layout, this endpoint {len(self.segments)}"
             )
-        if layout.agent == self.agent.name:
+        if layout.agent == self.name:
             raise ValueError(f"peer {layout.agent!r} has this endpoint's own agent name")
-        if known is not None:
-            self._drop_peer_dlist(known)
-            if set(known.layout.registrations) - set(layout.registrations):
-                self.agent.remove_remote(known.name)
-        name = self.agent.add_remote(layout.nixl_metadata)
-        if name != layout.agent:
-            self.agent.remove_remote(name)
+        if layout.nixl_metadata:  # empty from a peer without NIXL
+            owner = metadata_agent_name(layout.nixl_metadata)
+            if owner != layout.agent:
+                raise ValueError(
+                    f"the NIXL metadata is of agent {owner!r}, the layout names {layout.agent!r}"
+                )
+        linked = link_peer(self.transport, self.name, self.tensor.device, layout, known)
+        if linked is not None:  # the same-host transport: NIXL is not involved
+            peer = known if known is not None else Peer(layout)
+            if known is not None:
+                self._drop_peer_dlist(known)
+            peer.layout, (peer.link, peer.segments) = layout, linked
+            self.peers[peer.name] = peer
+            return peer
+        if self.agent is None:
             raise ValueError(
-                f"the NIXL metadata is of agent {name!r}, the layout names {layout.agent!r}"
+                f"peer {layout.agent!r} is not reachable on this host and this endpoint has no "
+                "NIXL agent"
             )
+        if not layout.nixl_metadata:
+            raise ValueError(
+                f"peer {layout.agent!r} offers no NIXL metadata (it runs without NIXL), and "
+                "the same-host transport does not reach it"
+            )
+        previous = None  # a peer that dropped registrations is forgotten first, and put back
+        if known is not None:  # should its new metadata fail to load
+            self._drop_peer_dlist(known)
+            if known.layout.registrations.missing_from(layout.registrations):
+                previous = known.layout.nixl_metadata
+        self.agent.load_remote(layout.agent, layout.nixl_metadata, previous=previous)
         peer = known if known is not None else Peer(layout)
         peer.layout = layout
         self.peers[peer.name] = peer
@@ -348,6 +351,8 @@ class KVEndpoint:
         chosen = self._chosen_segments(segments)
         if not isinstance(notification, bytes):
             raise TypeError(f"notification must be bytes, got {type(notification).__name__}")
+        if peer.link is not None:
+            return post_local(self, peer, operation, local, remote, chosen, notification)
         local_table, local_dlist = self._local()
         remote_table, remote_dlist = self._remote(peer)
         # Both sides' ranges are checked (IndexError) before either path is taken.
@@ -401,8 +406,13 @@ class KVEndpoint:
 
     # -- notifications --------------------------------------------------------------------
     def notifications(self) -> dict[str, list[bytes]]:
-        """Notifications that arrived since the last call, by sending agent."""
-        return self.agent.notifications()
+        """Notifications that arrived since the last call, by sending agent (over either
+        transport)."""
+        arrived = self.agent.notifications() if self.agent is not None else {}
+        if self._server is not None:
+            for sender, messages in self._server.notifications().items():
+                arrived.setdefault(sender, []).extend(messages)
+        return arrived
 
     def wait_notification(self, peer: Peer | str, message: bytes, timeout: float) -> None:
         """Wait until ``peer`` sends ``message`` (with a transfer, or alone); TimeoutError
@@ -412,7 +422,7 @@ class KVEndpoint:
         deadline = time.monotonic() + timeout
         pending = self._pending_notifications
         while True:
-            for sender, messages in self.agent.notifications().items():
+            for sender, messages in self.notifications().items():
                 pending.setdefault(sender, []).extend(messages)
             queue = pending.get(name, [])
             if message in queue:
@@ -424,7 +434,13 @@ class KVEndpoint:
 
     def notify(self, peer: Peer | str, message: bytes) -> None:
         """Send ``message`` to ``peer`` alone (no transfer)."""
-        self.agent.notify(self._peer(peer).name, message)
+        known = self._peer(peer)
+        if not isinstance(message, bytes):
+            raise TypeError(f"message must be bytes, got {type(message).__name__}")
+        if known.link is not None:
+            known.link.notify(message)
+        else:
+            self.agent.notify(known.name, message)
 
     # -- views ----------------------------------------------------------------------------
     def block_view(self, segment: int, first: int, count: int = 1) -> BufferView:
@@ -464,9 +480,15 @@ class KVEndpoint:
         self._release_local_dlist()
         for peer in list(self.peers.values()):
             self._drop_peer_dlist(peer)
-            if peer.name in self.agent.remote_agents:
+            if peer.link is not None:
+                peer.link.close()
+                peer.link = None
+            if self.agent is not None and peer.name in self.agent.remote_agents:
                 self.agent.remove_remote(peer.name)
         self.peers.clear()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         if self._owns_registration:
             self.registration.close()
         self.closed = True

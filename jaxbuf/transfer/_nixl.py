@@ -19,12 +19,18 @@ from typing import Any
 
 from jaxbuf.drivers.base import K_DL_CPU, K_DL_CUDA, K_DL_CUDA_HOST
 
-__all__ = ["Agent", "NixlUnavailable", "load_nixl", "memory_type_of"]
+__all__ = ["Agent", "NixlUnavailable", "load_nixl", "memory_type_of", "metadata_agent_name"]
 
 _MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 _INSTALL = "install the NIXL extra: pip install 'jaxbuf[nixl]' (or nixl-cu12 / nixl)"
 #: The descriptor-list spelling NIXL uses for "the local agent" in prep_xfer_dlist.
 LOCAL_AGENT = "NIXL_INIT_AGENT"
+# NIXL's agent metadata is a nixlSerDes string: b"nixlSerDes|", then fields, each a tag, a
+# size_t length (native: little-endian wherever NIXL runs), the value and b"|"; the first
+# field is the agent name, tag b"Agent" (getLocalMD writes it first, loadRemoteMD reads it
+# first and loads the agent under that name).
+_SERDES_AGENT = b"nixlSerDes|Agent"
+_MAX_AGENT_NAME = 1 << 12
 
 
 class NixlUnavailable(ImportError):
@@ -71,6 +77,25 @@ def memory_type_of(dlpack_device_type: int) -> str:
     if dlpack_device_type in (K_DL_CPU, K_DL_CUDA_HOST):
         return "DRAM"
     raise ValueError(f"NIXL has no memory type for DLPack device type {dlpack_device_type}")
+
+
+def metadata_agent_name(metadata: bytes) -> str:
+    """The agent name NIXL agent metadata carries, read without loading it (what
+    ``add_remote_agent`` would return); ValueError when the bytes do not start as NIXL
+    agent metadata does."""
+    head = len(_SERDES_AGENT)
+    if not isinstance(metadata, bytes) or metadata[:head] != _SERDES_AGENT:
+        raise ValueError(
+            f"the NIXL metadata does not start with an agent name (got {bytes(metadata[:24])!r})"
+        )
+    size = int.from_bytes(metadata[head : head + 8], "little")
+    name = metadata[head + 8 : head + 8 + size]
+    if not 0 < size <= _MAX_AGENT_NAME or metadata[head + 8 + size : head + 9 + size] != b"|":
+        raise ValueError(f"the NIXL metadata's agent name field is malformed (length {size})")
+    try:
+        return name.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"the NIXL metadata's agent name {name!r:.80} is not UTF-8") from None
 
 
 class Agent:
@@ -145,6 +170,28 @@ class Agent:
         """Forget a peer and every registration of it this agent knew."""
         self.nixl.remove_remote_agent(name)
         self.remote_agents.discard(name)
+
+    def load_remote(self, name: str, metadata: bytes, *, previous: bytes | None = None) -> None:
+        """Load agent ``name``'s metadata (``name`` read from it: :func:`metadata_agent_name`).
+
+        With ``previous``, the metadata of ``name`` loaded last, ``name`` is forgotten first:
+        the load is additive and would keep registrations the new metadata no longer lists.
+        A load that fails leaves what was known: ``previous`` is loaded again, and a remote
+        NIXL loaded under another name than ``name`` (ValueError) is forgotten unless it was
+        known before."""
+        known_before = set(self.remote_agents)
+        if previous is not None:
+            self.remove_remote(name)
+        try:
+            loaded = self.add_remote(metadata)
+            if loaded != name:
+                if loaded not in known_before:
+                    self.remove_remote(loaded)
+                raise ValueError(f"NIXL loaded the metadata as agent {loaded!r}, not {name!r}")
+        except BaseException:
+            if previous is not None:
+                self.add_remote(previous)
+            raise
 
     # -- descriptors and transfers --------------------------------------------------
     def prep_dlist(self, agent_name: str, descs: Any, mem_type: str) -> Any:

@@ -69,8 +69,10 @@ class Registration:
 
     Parameters
     ----------
-    agent : Agent
-        The :class:`~jaxbuf.transfer.Agent` to register with.
+    agent : Agent or None
+        The :class:`~jaxbuf.transfer.Agent` to register with; None follows the chunks and
+        the transfers in flight without NIXL (the same-host transport needs no
+        registration: it imports the chunks themselves).
     tensor : ExtensibleTensor
         The buffer to follow.
     segments : sequence of int, optional
@@ -81,14 +83,14 @@ class Registration:
 
     def __init__(
         self,
-        agent: Agent,
+        agent: Agent | None,
         tensor: Any,
         segments: Iterable[int] | None = None,
         *,
         release_timeout: float = DEFAULT_RELEASE_TIMEOUT,
     ) -> None:
-        if not isinstance(agent, Agent):
-            raise TypeError(f"agent must be a jaxbuf.transfer.Agent, got {agent!r}")
+        if agent is not None and not isinstance(agent, Agent):
+            raise TypeError(f"agent must be a jaxbuf.transfer.Agent or None, got {agent!r}")
         tensor.check_exportable()
         count = tensor.num_segments
         chosen = (
@@ -120,7 +122,8 @@ class Registration:
 
     def __repr__(self) -> str:
         return (
-            f"Registration(agent={self.agent.name!r}, segments={list(self.segments)}, "
+            f"Registration(agent={getattr(self.agent, 'name', None)!r}, "
+            f"segments={list(self.segments)}, "
             f"chunks={len(self._chunks)}, epoch={self.epoch})"
         )
 
@@ -159,16 +162,22 @@ class Registration:
                 pieces = self._pieces(offset, size)
                 if not pieces or offset in self._chunks:
                     continue
-                handle = agent.register(
-                    [(base + start, nbytes) for start, nbytes in pieces],
-                    self.mem_type,
-                    self.device_id,
+                handle = (
+                    None
+                    if agent is None
+                    else agent.register(
+                        [(base + start, nbytes) for start, nbytes in pieces],
+                        self.mem_type,
+                        self.device_id,
+                    )
                 )
                 self._chunks[offset] = (pieces, handle)
                 done.append(offset)
         except BaseException as error:
             for offset in reversed(done):
                 _, handle = self._chunks.pop(offset)
+                if agent is None:
+                    continue
                 try:
                     agent.deregister(handle)
                 except Exception as undo_error:  # noqa: BLE001 - reported as a note
@@ -188,7 +197,8 @@ class Registration:
         try:
             for offset in registered:
                 pieces, handle = self._chunks[offset]
-                self.agent.deregister(handle)
+                if self.agent is not None:
+                    self.agent.deregister(handle)
                 del self._chunks[offset]
         finally:
             self._changed()
