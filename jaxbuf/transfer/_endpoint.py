@@ -31,6 +31,7 @@ from jaxbuf.transfer._blocks import (
     block_ids,
     split_pairs,
 )
+from jaxbuf.transfer._device_copy import BlockCopier
 from jaxbuf.transfer._local import (
     LocalLink,
     LocalServer,
@@ -140,6 +141,7 @@ class KVEndpoint:
         # The same-host server starts with the first metadata(): an endpoint that never
         # publishes runs no thread.
         self._server: LocalServer | None = None
+        self.copier = BlockCopier(tensor.driver, tensor.device)  # the same-host copies
         # The version of the last remote_layout(): every message is newer than the last.
         self._layout_version = 0
         self.closed = False
@@ -489,6 +491,7 @@ class KVEndpoint:
         if self._server is not None:
             self._server.close()
             self._server = None
+        self.copier.close()
         if self._owns_registration:
             self.registration.close()
         self.closed = True

@@ -115,7 +115,8 @@ class Registration:
         # chunk offset -> (registered pieces, NIXL handle), and the sorted chunk offsets.
         self._chunks: dict[int, tuple[list[tuple[int, int]], Any]] = {}
         self._ranges: list[tuple[int, int]] | None = []
-        self._in_flight: list[Any] = []
+        # id -> transfer: untracking is O(1) however many un-waited transfers pile up.
+        self._in_flight: dict[int, Any] = {}
         self.epoch = 0
         self.closed = False
         tensor.add_mapping_listener(self)
@@ -210,13 +211,10 @@ class Registration:
     # -- transfers in flight ----------------------------------------------------------
     def track(self, transfer: Any) -> None:
         """Record a transfer over this memory until it finishes (see :meth:`untrack`)."""
-        self._in_flight.append(transfer)
+        self._in_flight[id(transfer)] = transfer
 
     def untrack(self, transfer: Any) -> None:
-        for i, item in enumerate(self._in_flight):
-            if item is transfer:
-                del self._in_flight[i]
-                return
+        self._in_flight.pop(id(transfer), None)
 
     @property
     def transfers_in_flight(self) -> int:
@@ -224,7 +222,7 @@ class Registration:
 
     def _wait_in_flight(self) -> None:
         deadline = time.monotonic() + self.release_timeout
-        for transfer in list(self._in_flight):
+        for transfer in list(self._in_flight.values()):
             if not transfer.settle(max(deadline - time.monotonic(), 0.0)):
                 raise TransferInFlight(
                     f"cannot unmap: {transfer} is still in flight over the memory after "

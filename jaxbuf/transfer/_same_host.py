@@ -114,7 +114,7 @@ def post_local(
     request = (operation, local, peer.name, remote)
     driver = tensor.driver
     try:
-        event = driver.copy_batch(dsts, srcs, sizes, tensor.device.index)
+        event = endpoint.copier.copy(dsts, srcs, sizes)
     except Exception as error:
         failed = LocalTransfer(driver, None, request, endpoint.registration, None)
         raise TransferError(f"{failed.what} failed: {error}") from error

@@ -1,0 +1,118 @@
+"""The copies of one block transfer on the same-host transport, in as few calls as possible.
+
+``driver.copy_batch`` is one call for a whole list, but on CUDA ``cuMemcpyBatchAsync`` submits
+each copy on its own (about 5 us apiece on an H200): right for a few large copies, slow for
+hundreds of blocks. A list of more than :data:`FEW_COPIES` aligned copies is therefore split
+into pieces of at most :data:`~jaxbuf.kernels.block_copy.PIECE_BYTES` and moved by one launch
+of :mod:`jaxbuf.kernels.block_copy`, which reads the piece table from pinned, mapped host
+memory. On the CPU every list goes to ``copy_batch`` (a ``memmove`` loop in C).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BlockCopier"]
+
+_log = logging.getLogger(__name__)
+FEW_COPIES = 8
+"""Lists of at most this many copies go to ``driver.copy_batch`` on CUDA too."""
+_SLOTS = 4  # piece tables in flight at once; a fifth launch waits for the first's kernel
+_STREAM = 2  # the DLPack number of the per-thread default stream, copy_batch's stream too
+
+
+class BlockCopier:
+    """Copies ``(dsts, srcs, sizes)`` lists for one device; :meth:`copy` returns what
+    ``driver.copy_batch`` returns (None on the CPU, an event on CUDA).
+
+    Invariants: a piece table slot is rewritten only once the kernel that read it has
+    finished (its guard event); :meth:`close` waits for every slot and frees them. The kernel
+    path is dropped for good (with the reason in :attr:`kernel_unavailable`) the first time it
+    cannot be compiled or launched: copies then go to ``copy_batch``.
+    """
+
+    def __init__(self, driver: Any, device: Any) -> None:
+        self.driver, self.device_index = driver, device.index
+        self.kernel_unavailable: str | None = None if device.is_cuda else "not a CUDA device"
+        self._launch: Any = None
+        # (host address, device address, rows, guard event or None), in turn.
+        self._slots: list[list[Any]] = []
+        self._next = 0
+
+    def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> Any:
+        if self.kernel_unavailable is None and len(sizes) > FEW_COPIES:
+            from jaxbuf.kernels.block_copy import ALIGNMENT
+
+            mask = np.uint64(ALIGNMENT - 1)
+            if not ((dsts | srcs | sizes) & mask).any():
+                try:
+                    return self._launch_kernel(dsts, srcs, sizes)
+                except Exception as error:  # noqa: BLE001 - falls back, reason kept and logged
+                    self.kernel_unavailable = f"{type(error).__name__}: {error}"
+                    _log.warning("jaxbuf: block copy kernel unavailable (%s)", error)
+        return self.driver.copy_batch(dsts, srcs, sizes, self.device_index)
+
+    def _launch_kernel(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> Any:
+        from jaxbuf.kernels.block_copy import PIECE_BYTES, launcher
+
+        if self._launch is None:
+            self._launch = launcher(self.driver, self.device_index)
+        table = _pieces(dsts, srcs, sizes, PIECE_BYTES)
+        slot = self._slot(len(table))
+        ctypes.memmove(slot[0], table.ctypes.data, table.nbytes)
+        driver, index = self.driver, self.device_index
+        self._launch(len(table), _STREAM, slot[1])  # raw handle 2 is CU_STREAM_PER_THREAD
+        slot[3] = driver.record_event(_STREAM, index)  # the slot's guard
+        return driver.record_event(_STREAM, index)  # the transfer's, destroyed when it ends
+
+    def _slot(self, rows: int) -> list[Any]:
+        """The next piece table slot, of at least ``rows`` rows, once no kernel reads it."""
+        driver = self.driver
+        if len(self._slots) < _SLOTS:
+            self._slots.append([0, 0, 0, None])
+        slot = self._slots[self._next % _SLOTS]
+        self._next += 1
+        guard, slot[3] = slot[3], None
+        if guard is not None:
+            driver.event_synchronize(guard)
+            driver.destroy_event(guard)
+        if slot[2] < rows:
+            if slot[0]:
+                driver.host_free(slot[0])
+                slot[0] = slot[2] = 0
+            capacity = max(rows, 1024)
+            slot[0], slot[1] = driver.host_alloc(capacity * 24, self.device_index)
+            slot[2] = capacity
+        return slot
+
+    def close(self) -> None:
+        """Wait for the kernels still reading a table, free the tables. Safe to call twice."""
+        slots, self._slots = self._slots, []
+        for host, _, _, guard in slots:
+            if guard is not None:
+                self.driver.event_synchronize(guard)
+                self.driver.destroy_event(guard)
+            if host:
+                self.driver.host_free(host)
+
+
+def _pieces(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, piece: int) -> np.ndarray:
+    """int64 ``[n, 3]``: every copy cut into pieces of at most ``piece`` bytes."""
+    if int(sizes.max()) <= piece:
+        table = np.empty((len(sizes), 3), dtype=np.uint64)
+        table[:, 0], table[:, 1], table[:, 2] = dsts, srcs, sizes
+        return table
+    step = np.uint64(piece)
+    counts = ((sizes + step - np.uint64(1)) // step).astype(np.int64)
+    owner = np.repeat(np.arange(len(sizes)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    offsets = (np.arange(int(counts.sum())) - first).astype(np.uint64) * step
+    table = np.empty((len(owner), 3), dtype=np.uint64)
+    table[:, 0] = dsts[owner] + offsets
+    table[:, 1] = srcs[owner] + offsets
+    table[:, 2] = np.minimum(step, sizes[owner] - offsets)
+    return table
