@@ -291,7 +291,11 @@ def test_nothing_leaks_across_connect_transfer_and_close():
             if before is None:  # after one round: modules and caches loaded on first use
                 before = _threads_fds_maps()
         time.sleep(0.1)
-        assert _threads_fds_maps() == before
+        threads, fds, mappings = _threads_fds_maps()
+        assert (threads, fds) == before[:2]
+        # The CPU driver may hold an unmapped range in quarantine for a while: the count may
+        # fall below the first round's, never climb above it (three rounds would leak three).
+        assert mappings <= before[2]
     finally:
         peer.stop()
 

@@ -392,7 +392,8 @@ static PyObject *copy_batch(EntryPoints *self, PyObject *const *args, Py_ssize_t
     CUresult result;
     Py_BEGIN_ALLOW_THREADS
     result = make_current_unlocked(self, context);
-    if (result == 0 && self->memcpy_batch != NULL) {
+    /* One copy: cuMemcpyAsync, which the batch call costs more than (its setup per call). */
+    if (result == 0 && self->memcpy_batch != NULL && count > 1) {
         call = "cuMemcpyBatchAsync";
         size_t start = 0;
         while (result == 0 && start < count) {

@@ -4,8 +4,10 @@
 each copy on its own (about 5 us apiece on an H200): right for a few large copies, slow for
 hundreds of blocks. A list of more than :data:`FEW_COPIES` aligned copies is therefore split
 into pieces of at most :data:`~jaxbuf.kernels.block_copy.PIECE_BYTES` and moved by one launch
-of :mod:`jaxbuf.kernels.block_copy`, which reads the piece table from pinned, mapped host
-memory. On the CPU every list goes to ``copy_batch`` (a ``memmove`` loop in C).
+of :mod:`jaxbuf.kernels.block_copy` (1,024 scattered 64 KiB blocks: 38 us of device time on
+an H200, against 35 us for torch's one copy of the same bytes), after an upload of the piece
+table from pinned host memory on the same stream. On the CPU every list goes to
+``copy_batch`` (a ``memmove`` loop in C).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ __all__ = ["BlockCopier"]
 
 _log = logging.getLogger(__name__)
 FEW_COPIES = 8
-"""Lists of at most this many copies go to ``driver.copy_batch`` on CUDA too."""
+"""Lists of at most this many copies, none of :data:`LARGE_COPY` bytes, go to
+``driver.copy_batch`` on CUDA too (no table to upload)."""
+LARGE_COPY = 1 << 20
+"""A copy this large goes through the kernel, spread over every SM: ``cuMemcpyBatchAsync``
+moved one 64 MiB block into another process's memory at 0.6x torch's device copy."""
 _SLOTS = 4  # piece tables in flight at once; a fifth launch waits for the first's kernel
 _STREAM = 2  # the DLPack number of the per-thread default stream, copy_batch's stream too
 
@@ -39,12 +45,14 @@ class BlockCopier:
         self.driver, self.device_index = driver, device.index
         self.kernel_unavailable: str | None = None if device.is_cuda else "not a CUDA device"
         self._launch: Any = None
-        # (host address, device address, rows, guard event or None), in turn.
+        # [pinned host address, device table (DeviceMemory), rows, guard event or None].
         self._slots: list[list[Any]] = []
         self._next = 0
 
     def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> Any:
-        if self.kernel_unavailable is None and len(sizes) > FEW_COPIES:
+        if self.kernel_unavailable is None and (
+            len(sizes) > FEW_COPIES or int(sizes.max()) >= LARGE_COPY
+        ):
             from jaxbuf.kernels.block_copy import ALIGNMENT
 
             mask = np.uint64(ALIGNMENT - 1)
@@ -65,7 +73,9 @@ class BlockCopier:
         slot = self._slot(len(table))
         ctypes.memmove(slot[0], table.ctypes.data, table.nbytes)
         driver, index = self.driver, self.device_index
-        self._launch(len(table), _STREAM, slot[1])  # raw handle 2 is CU_STREAM_PER_THREAD
+        device_table = slot[1].ptr
+        # Raw handle 2 is CU_STREAM_PER_THREAD, the stream the events are recorded on.
+        self._launch(len(table), _STREAM, device_table, copy=(device_table, slot[0], table.nbytes))
         slot[3] = driver.record_event(_STREAM, index)  # the slot's guard
         return driver.record_event(_STREAM, index)  # the transfer's, destroyed when it ends
 
@@ -73,7 +83,7 @@ class BlockCopier:
         """The next piece table slot, of at least ``rows`` rows, once no kernel reads it."""
         driver = self.driver
         if len(self._slots) < _SLOTS:
-            self._slots.append([0, 0, 0, None])
+            self._slots.append([0, None, 0, None])
         slot = self._slots[self._next % _SLOTS]
         self._next += 1
         guard, slot[3] = slot[3], None
@@ -81,23 +91,31 @@ class BlockCopier:
             driver.event_synchronize(guard)
             driver.destroy_event(guard)
         if slot[2] < rows:
-            if slot[0]:
-                driver.host_free(slot[0])
-                slot[0] = slot[2] = 0
+            self._free(slot)
             capacity = max(rows, 1024)
-            slot[0], slot[1] = driver.host_alloc(capacity * 24, self.device_index)
+            slot[0], _ = driver.host_alloc(capacity * 24, self.device_index)
+            slot[1] = driver.device_alloc(capacity * 24, self.device_index)
             slot[2] = capacity
         return slot
+
+    def _free(self, slot: list[Any]) -> None:
+        host, device, slot[0], slot[1], slot[2] = slot[0], slot[1], 0, None, 0
+        try:
+            if device is not None:
+                device.release()
+        finally:
+            if host:
+                self.driver.host_free(host)
 
     def close(self) -> None:
         """Wait for the kernels still reading a table, free the tables. Safe to call twice."""
         slots, self._slots = self._slots, []
-        for host, _, _, guard in slots:
+        for slot in slots:
+            guard, slot[3] = slot[3], None
             if guard is not None:
                 self.driver.event_synchronize(guard)
                 self.driver.destroy_event(guard)
-            if host:
-                self.driver.host_free(host)
+            self._free(slot)
 
 
 def _pieces(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, piece: int) -> np.ndarray:
