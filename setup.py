@@ -16,6 +16,10 @@ CPU driver's batched copy, a loop of memmove with the GIL released; it links not
 import numpy
 from setuptools import Extension, setup
 
+# The batched copy's array checks, included by both driver C modules (next to them, so the
+# include resolves from the source's own directory).
+_BATCH_ARRAYS = "jaxbuf/drivers/_batch_arrays.h"
+
 setup(
     ext_modules=[
         Extension("jaxbuf._capsule", sources=["jaxbuf/_capsule.c"]),
@@ -27,11 +31,17 @@ setup(
         ),
         # Optional too: without it the CUDA driver calls everything through cuda.bindings.
         Extension(
-            "jaxbuf.drivers._cuda_calls", sources=["jaxbuf/drivers/_cuda_calls.c"], optional=True
+            "jaxbuf.drivers._cuda_calls",
+            sources=["jaxbuf/drivers/_cuda_calls.c"],
+            depends=[_BATCH_ARRAYS],
+            optional=True,
         ),
         # Optional: without it the CPU driver's copy_batch is a ctypes.memmove loop.
         Extension(
-            "jaxbuf.drivers._host_calls", sources=["jaxbuf/drivers/_host_calls.c"], optional=True
+            "jaxbuf.drivers._host_calls",
+            sources=["jaxbuf/drivers/_host_calls.c"],
+            depends=[_BATCH_ARRAYS],
+            optional=True,
         ),
     ]
 )

@@ -873,11 +873,14 @@ def test_with_memcpy_batch_checks_its_arguments():
         entry_points.with_memcpy_batch(libcuda.address(13000))
     batched = entry_points.with_memcpy_batch(libcuda.address(12080), 12080)
     assert (batched.memcpy_batch_version, entry_points.memcpy_batch_version) == (12080, 0)
-    with pytest.raises(TypeError, match="6 arguments"):
-        batched.copy_batch(0x1234, 0, 0, 0, 0)
-    assert batched.copy_batch(0x1234, 0, 0, 0, 0, 2) == 0  # nothing to copy
-    with pytest.raises(ValueError, match="NULL"):
-        batched.copy_batch(0x1234, 0, 0, 0, 1, 2)
+    empty = np.zeros(0, np.uint64)
+    with pytest.raises(TypeError, match="5 arguments"):
+        batched.copy_batch(0x1234, empty, empty, empty)
+    assert batched.copy_batch(0x1234, empty, empty, empty, 2) == 0  # nothing to copy
+    with pytest.raises(TypeError, match="srcs must be a 1-D numpy array of uint64"):
+        batched.copy_batch(0x1234, empty, 0, empty, 2)
+    with pytest.raises(ValueError, match="one length"):
+        batched.copy_batch(0x1234, empty, np.zeros(1, np.uint64), empty, 2)
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_batch_arrays.h"
+
 typedef int CUresult; /* an enum in cuda.h: int-sized on every ABI CUDA supports */
 typedef void *CUcontext;
 typedef void *CUstream;
@@ -361,32 +363,26 @@ static CUresult memcpy_batch_unlocked(EntryPoints *self, const uint64_t *dsts,
     return result;
 }
 
-/* copy_batch(context, dsts_address, srcs_address, sizes_address, count, stream) -> 0, or
- * (call, CUresult, index) for the call that failed (index: the copy it failed on, -1 when
- * unknown); later copies are not enqueued, earlier ones may have been.
+/* copy_batch(context, dsts, srcs, sizes, stream) -> 0, or (call, CUresult, index) for the
+ * call that failed (index: the copy it failed on, -1 when unknown); later copies are not
+ * enqueued, earlier ones may have been.
  *
  * A transfer's block copies in one call, with the GIL released once: make `context` current
  * (only when it is not), then enqueue on `stream` the copy of sizes[i] bytes from srcs[i] to
- * dsts[i] for each i < count, where dsts, srcs and sizes are the data addresses of three
- * C-contiguous uint64 arrays the driver has checked. With cuMemcpyBatchAsync, one batch per
+ * dsts[i] for each i, where dsts, srcs and sizes are 1-D uint64 arrays of one length,
+ * checked here (_batch_arrays.h). With cuMemcpyBatchAsync, one batch per
  * run of non-empty copies (one, unless the list holds copies of size 0, which are skipped:
  * the batch API does not say it takes them); else one cuMemcpyAsync per non-empty copy.
  * cuMemcpyBatchAsync refuses the legacy default stream: the driver passes another. */
 static PyObject *copy_batch(EntryPoints *self, PyObject *const *args, Py_ssize_t nargs) {
-    uintptr_t context, dsts_address, srcs_address, sizes_address, stream;
-    if (check_count("copy_batch", nargs, 6) < 0 || as_address(args[0], &context) < 0 ||
-        as_address(args[1], &dsts_address) < 0 || as_address(args[2], &srcs_address) < 0 ||
-        as_address(args[3], &sizes_address) < 0 || as_address(args[5], &stream) < 0)
+    uintptr_t context, stream;
+    if (check_count("copy_batch", nargs, 5) < 0 || as_address(args[0], &context) < 0 ||
+        as_address(args[4], &stream) < 0)
         return NULL;
-    size_t count = PyLong_AsSize_t(args[4]);
-    if (count == (size_t)-1 && PyErr_Occurred()) return NULL;
-    if (count && (!dsts_address || !srcs_address || !sizes_address)) {
-        PyErr_SetString(PyExc_ValueError, "copy_batch got a NULL array address");
-        return NULL;
-    }
-    const uint64_t *dsts = (const uint64_t *)dsts_address;
-    const uint64_t *srcs = (const uint64_t *)srcs_address;
-    const uint64_t *sizes = (const uint64_t *)sizes_address;
+    Py_buffer views[3];
+    if (get_batch_arrays(args + 1, views) < 0) return NULL;
+    size_t count = (size_t)views[0].shape[0];
+    const uint64_t *dsts = views[0].buf, *srcs = views[1].buf, *sizes = views[2].buf;
     const char *call = "cuCtxSetCurrent";
     size_t fail_index = SIZE_MAX;
     CUresult result;
@@ -418,6 +414,7 @@ static PyObject *copy_batch(EntryPoints *self, PyObject *const *args, Py_ssize_t
         }
     }
     Py_END_ALLOW_THREADS
+    release_batch_arrays(views, 3);
     if (result == 0) return PyLong_FromLong(0);
     return Py_BuildValue("(sin)", call, (int)result,
                          fail_index == SIZE_MAX ? (Py_ssize_t)-1 : (Py_ssize_t)fail_index);

@@ -14,56 +14,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_batch_arrays.h"
+
 /* The arrays hold uint64 addresses and sizes, used as pointers and size_t: a 32-bit build
  * would truncate them. The extension is optional, so such a build skips it and the driver
  * falls back to ctypes. */
 _Static_assert(sizeof(void *) == sizeof(uint64_t) && sizeof(size_t) == sizeof(uint64_t),
                "jaxbuf.drivers._host_calls needs 64-bit pointers and sizes");
-
-/* One of copy_batch's arrays through the buffer protocol: a 1-D C-contiguous array of native
- * unsigned 8-byte integers (numpy uint64). 0, or -1 with the TypeError / ValueError that
- * names it (what the driver's Python check says for the same input). */
-static int get_array(const char *name, PyObject *object, Py_buffer *view) {
-    if (PyObject_GetBuffer(object, view, PyBUF_FORMAT | PyBUF_STRIDES) < 0) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s must be a 1-D numpy array of uint64, got %s", name,
-                     Py_TYPE(object)->tp_name);
-        return -1;
-    }
-    const char *format = view->format ? view->format : "B";
-    if (format[0] == '@' || format[0] == '=') format++;
-    if (view->itemsize != 8 || (strcmp(format, "Q") && strcmp(format, "L"))) {
-        /* Name the dtype as numpy does (int64, >u8), else the buffer format. */
-        PyObject *dtype = PyObject_GetAttrString(object, "dtype");
-        if (dtype == NULL) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError,
-                         "%s must have dtype uint64 (native byte order), got buffer format '%s'",
-                         name, view->format ? view->format : "B");
-        } else {
-            PyErr_Format(PyExc_TypeError,
-                         "%s must have dtype uint64 (native byte order), got %S", name, dtype);
-            Py_DECREF(dtype);
-        }
-    } else if (view->ndim != 1) {
-        PyObject *shape = PyObject_GetAttrString(object, "shape");
-        if (shape == NULL) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "%s must be 1-D, got %d dimensions", name,
-                         view->ndim);
-        } else {
-            PyErr_Format(PyExc_ValueError, "%s must be 1-D, got shape %S", name, shape);
-            Py_DECREF(shape);
-        }
-    } else if (view->shape[0] > 1 && view->strides[0] != 8) {
-        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous, got strides (%zd,)", name,
-                     view->strides[0]);
-    } else {
-        return 0;
-    }
-    PyBuffer_Release(view);
-    return -1;
-}
 
 /* copy_batch(dsts, srcs, sizes) -> None
  *
@@ -78,32 +35,19 @@ static PyObject *copy_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
         PyErr_Format(PyExc_TypeError, "copy_batch takes 3 arguments, got %zd", nargs);
         return NULL;
     }
-    static const char *const names[3] = {"dsts", "srcs", "sizes"};
     Py_buffer views[3];
-    int held = 0;
-    for (; held < 3; held++)
-        if (get_array(names[held], args[held], &views[held]) < 0) break;
-    PyObject *result = NULL;
-    if (held == 3) {
-        Py_ssize_t count = views[0].shape[0];
-        if (views[1].shape[0] != count || views[2].shape[0] != count) {
-            PyErr_Format(PyExc_ValueError,
-                         "dsts, srcs and sizes must have one length, got %zd, %zd and %zd",
-                         count, views[1].shape[0], views[2].shape[0]);
-        } else {
-            const uint64_t *dsts = views[0].buf, *srcs = views[1].buf, *sizes = views[2].buf;
-            Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t i = 0; i < count; i++) {
-                if (sizes[i])
-                    memmove((void *)(uintptr_t)dsts[i], (const void *)(uintptr_t)srcs[i],
-                            (size_t)sizes[i]);
-            }
-            Py_END_ALLOW_THREADS
-            result = Py_NewRef(Py_None);
-        }
+    if (get_batch_arrays(args, views) < 0) return NULL;
+    Py_ssize_t count = views[0].shape[0];
+    const uint64_t *dsts = views[0].buf, *srcs = views[1].buf, *sizes = views[2].buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (sizes[i])
+            memmove((void *)(uintptr_t)dsts[i], (const void *)(uintptr_t)srcs[i],
+                    (size_t)sizes[i]);
     }
-    while (held-- > 0) PyBuffer_Release(&views[held]);
-    return result;
+    Py_END_ALLOW_THREADS
+    release_batch_arrays(views, 3);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef host_calls_methods[] = {

@@ -337,15 +337,16 @@ class CudaVmmDriver(CudaAllocation, CudaStreamWork, VmmDriver):
         caller gives back with :meth:`destroy_event`. Copies of size 0 are skipped. See
         :meth:`VmmDriver.copy_batch` for the arrays and the failure contract.
         """
-        count, *addresses = copy_batch_arguments(dsts, srcs, sizes)
         calls, cached = self._calls, self._primary_contexts.get(device_index)
         if calls is None or cached is None:
+            copy_batch_arguments(dsts, srcs, sizes)  # bad input changes nothing, first
             self.ensure_context(device_index)
             cached = self._primary_contexts[device_index]
         stream = self._dlpack_streams[COPY_BATCH_STREAM]
-        if calls is not None:
-            failure = calls.copy_batch(cached[1], *addresses, count, stream)
+        if calls is not None:  # it checks the arrays itself, as copy_batch_arguments does
+            failure = calls.copy_batch(cached[1], dsts, srcs, sizes, stream)
         else:
+            count, *addresses = copy_batch_arguments(dsts, srcs, sizes)
             failure = 0
             for index, (dst, src, size) in enumerate(batch_triples(count, *addresses)):
                 if size:
@@ -353,7 +354,8 @@ class CudaVmmDriver(CudaAllocation, CudaStreamWork, VmmDriver):
                     if error != self._success:
                         failure = ("cuMemcpyAsync", int(error), index)
                         break
-        if failure:
+        if failure:  # the arrays' addresses name the failed copy
+            count, *addresses = copy_batch_arguments(dsts, srcs, sizes)
             self._raise_copy_batch(failure, count, addresses, device_index)
         try:
             return self.record_event(COPY_BATCH_STREAM, device_index)

@@ -67,6 +67,7 @@ class Peer:
         self.dlist: Any = None
         self.link: LocalLink | None = None
         self.segments: tuple[int, ...] = ()
+        self.segment_starts: list[int] = []
 
     @property
     def transport(self) -> str:
@@ -122,6 +123,8 @@ class KVEndpoint:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {layout!r}")
         self.segments = layout.segments_of(tensor)
+        # Where each layout segment starts: the reservation never moves.
+        self.segment_starts = [tensor.base_ptr + tensor.segment_offsets[s] for s in self.segments]
         self.layout, self.agent, self.tensor = layout, nixl_agent, tensor
         self.name, self.transport = name, transport
         self._owns_registration = registration is None
@@ -237,6 +240,10 @@ class KVEndpoint:
             if known is not None:
                 self._drop_peer_dlist(known)
             peer.layout, (peer.link, peer.segments) = layout, linked
+            imported = peer.link.imported
+            peer.segment_starts = [
+                imported.base_ptr + imported.segment_offsets[s] for s in peer.segments
+            ]
             self.peers[peer.name] = peer
             return peer
         if self.agent is None:

@@ -410,28 +410,23 @@ class LocalTransfer(Transfer):
 
 
 def copy_triples(
-    local_base: int,
-    local_offsets: list[int],
-    remote_base: int,
-    remote_offsets: list[int],
+    local_starts: list[int],
+    remote_starts: list[int],
     block_bytes: int,
     segments: list[int],
     local_blocks: np.ndarray,
     remote_blocks: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(local addresses, remote addresses, sizes)`` of the copies moving block
-    ``local_blocks[i]`` <-> ``remote_blocks[i]`` of every chosen segment, runs of blocks
-    consecutive on both sides merged into one copy."""
+    ``local_blocks[i]`` <-> ``remote_blocks[i]`` of every chosen segment (``*_starts``: each
+    layout segment's address on that side), runs of blocks consecutive on both sides merged
+    into one copy."""
     count = len(local_blocks)
-    if count == 1 and len(segments) == 1:
+    if count == 1 and len(segments) == 1:  # the common small transfer: no numpy arithmetic
         s = segments[0]
         return (
-            np.array(
-                [local_base + local_offsets[s] + int(local_blocks[0]) * block_bytes], np.uint64
-            ),
-            np.array(
-                [remote_base + remote_offsets[s] + int(remote_blocks[0]) * block_bytes], np.uint64
-            ),
+            np.array([local_starts[s] + int(local_blocks[0]) * block_bytes], np.uint64),
+            np.array([remote_starts[s] + int(remote_blocks[0]) * block_bytes], np.uint64),
             np.array([block_bytes], np.uint64),
         )
     # A run starts where either side's block id is not the previous one's plus one.
@@ -441,10 +436,8 @@ def copy_triples(
     lengths = np.diff(np.append(first, count)).astype(np.uint64) * np.uint64(block_bytes)
     local_first = local_blocks[first].astype(np.uint64) * np.uint64(block_bytes)
     remote_first = remote_blocks[first].astype(np.uint64) * np.uint64(block_bytes)
-    local_rows, remote_rows = [], []
-    for s in segments:
-        local_rows.append(local_first + np.uint64(local_base + local_offsets[s]))
-        remote_rows.append(remote_first + np.uint64(remote_base + remote_offsets[s]))
+    local_rows = [local_first + np.uint64(local_starts[s]) for s in segments]
+    remote_rows = [remote_first + np.uint64(remote_starts[s]) for s in segments]
     return (
         np.concatenate(local_rows),
         np.concatenate(remote_rows),

@@ -45,7 +45,8 @@ def link_peer(
         try:
             if link is None:
                 link = LocalLink(address.address, name, device, layout.agent)  # type: ignore[union-attr]
-            return link, imported_segments(link.refresh(), layout)
+            imported = link.refresh()
+            return link, imported_segments(imported, layout)
         except (OSError, ValueError) as error:
             if fresh and link is not None:
                 link.close()
@@ -93,22 +94,14 @@ def post_local(
     tensor, block_bytes = endpoint.tensor, endpoint.layout.block_bytes
     ours, theirs = endpoint.segments, peer.segments
     imported = peer.link.imported
-    committed = tensor.committed_sizes
-    local_limit = min(committed[ours[s]] for s in chosen) // block_bytes
-    remote_committed = imported.committed_sizes
-    remote_limit = min(remote_committed[theirs[s]] for s in chosen) // block_bytes
+    committed, remote_committed = tensor.committed_sizes, imported.committed_sizes
+    local_limit = min([committed[ours[s]] for s in chosen]) // block_bytes
+    remote_limit = min([remote_committed[theirs[s]] for s in chosen]) // block_bytes
     _check_range(local, local_limit, "local", block_bytes)
-    _check_range(remote, remote_limit, f"{peer.name}'s", block_bytes)
-    local_offsets, remote_offsets = tensor.segment_offsets, imported.segment_offsets
+    _check_range(remote, remote_limit, peer.name, block_bytes)
+    # Segment starts never move (a reservation's base, an import's base, fixed offsets).
     here, there, sizes = copy_triples(
-        tensor.base_ptr,
-        [local_offsets[s] for s in ours],
-        imported.base_ptr,
-        [remote_offsets[s] for s in theirs],
-        block_bytes,
-        chosen,
-        local,
-        remote,
+        endpoint.segment_starts, peer.segment_starts, block_bytes, chosen, local, remote
     )
     dsts, srcs = (there, here) if operation == "WRITE" else (here, there)
     request = (operation, local, peer.name, remote)
@@ -126,11 +119,13 @@ def post_local(
 
 
 def _check_range(blocks: np.ndarray, limit: int, side: str, block_bytes: int) -> None:
-    """IndexError naming the first block of ``blocks`` outside ``[0, limit)``."""
+    """IndexError naming the first block of ``blocks`` outside ``[0, limit)`` (``side``:
+    "local" or the peer's name)."""
     low, high = bounds(blocks)
     if low < 0 or high >= limit:
         bad = int(blocks[(blocks < 0) | (blocks >= limit)][0])
+        whose = side if side == "local" else f"{side}'s"
         raise IndexError(
-            f"{side} block {bad} is out of range: {limit} block(s) of {block_bytes} bytes are "
+            f"{whose} block {bad} is out of range: {limit} block(s) of {block_bytes} bytes are "
             "committed (and mapped) in every segment transferred there"
         )
