@@ -33,17 +33,24 @@ def device_ms(fn, n=50):
     return start.elapsed_time(end) / n * 1000
 
 
-print(f"torch copy_ 64 MiB: {device_ms(lambda: dst[:64 * MiB].copy_(src[:64 * MiB])):.1f} us")
+print(f"torch copy_ 64 MiB: {device_ms(lambda: dst[: 64 * MiB].copy_(src[: 64 * MiB])):.1f} us")
 for piece in (16 * 1024, 32 * 1024, 64 * 1024, 256 * 1024):
     for tile in (512, 1024, 2048):
         for warps in (4, 8):
-            for name, d, s, z in (("1024x64K", dsts, srcs, sizes),
-                                  ("1x64M", dsts[:1], srcs[:1], np.array([64 * MiB], np.uint64))):
+            for name, d, s, z in (
+                ("1024x64K", dsts, srcs, sizes),
+                ("1x64M", dsts[:1], srcs[:1], np.array([64 * MiB], np.uint64)),
+            ):
                 table = torch.from_numpy(_pieces(d, s, z, piece).view(np.int64)).cuda()
                 n = table.shape[0]
-                us = device_ms(lambda: _copy_pieces_kernel[(n,)](
-                    table.data_ptr(), n, TILE=tile, num_warps=warps))
-                print(f"piece {piece // 1024:4d} KiB tile {tile:5d} warps {warps}: {name} "
-                      f"{us:7.1f} us ({64 * MiB / us / 1e3:6.0f} GB/s)")
-ok = torch.equal(dst[theirs[0].item() * block:][:block], src[ours[0].item() * block:][:block])
+                us = device_ms(
+                    lambda: _copy_pieces_kernel[(n,)](
+                        table.data_ptr(), n, TILE=tile, num_warps=warps
+                    )
+                )
+                print(
+                    f"piece {piece // 1024:4d} KiB tile {tile:5d} warps {warps}: {name} "
+                    f"{us:7.1f} us ({64 * MiB / us / 1e3:6.0f} GB/s)"
+                )
+ok = torch.equal(dst[theirs[0].item() * block :][:block], src[ours[0].item() * block :][:block])
 print("bytes ok:", ok)

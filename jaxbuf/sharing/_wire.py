@@ -265,7 +265,7 @@ def recv_layout(
             )
         payload = _recv_exact(sock, payload_size, arm)
         try:
-            layout = json.loads(payload)
+            layout = json.loads(payload.decode("utf-8"))  # never an encoding guessed
         except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
             raise ValueError(f"malformed jaxbuf layout message: {error}") from None
         if not isinstance(layout, dict):

@@ -272,7 +272,9 @@ def decode(message: Any, previous: RemoteLayout | None = None) -> RemoteLayout:
             f"the message has {len(message)}"
         )
     try:
-        body = json.loads(message[_HEADER.size : segments_at])
+        # Decoded as UTF-8 here: json.loads guesses a bytes object's encoding (UTF-16 or -32
+        # by its first bytes), so the same bytes could parse on one Python and not another.
+        body = json.loads(message[_HEADER.size : segments_at].decode("utf-8"))
     except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
         raise ValueError(f"the metadata layout is not JSON: {error}") from None
     if not isinstance(body, dict):
