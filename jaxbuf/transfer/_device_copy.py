@@ -1,13 +1,13 @@
 """The copies of one block transfer on the same-host transport, in as few calls as possible.
 
 ``driver.copy_batch`` is one call for a whole list, but on CUDA ``cuMemcpyBatchAsync`` submits
-each copy on its own (about 5 us apiece on an H200): right for a few large copies, slow for
-hundreds of blocks. A list of more than :data:`FEW_COPIES` aligned copies is therefore split
-into pieces of at most :data:`~jaxbuf.kernels.block_copy.PIECE_BYTES` and moved by one launch
-of :mod:`jaxbuf.kernels.block_copy` (1,024 scattered 64 KiB blocks: 38 us of device time on
-an H200, against 35 us for torch's one copy of the same bytes), after an upload of the piece
-table from pinned host memory on the same stream. On the CPU every list goes to
-``copy_batch`` (a ``memmove`` loop in C).
+each copy on its own (about 5 us apiece on an H200): right for a few small copies, slow for
+hundreds of blocks, and it moved one 64 MiB block into another process's memory at 0.6x
+torch's device copy. A list of more than :data:`FEW_COPIES` copies, or with one of
+:data:`LARGE_COPY` bytes or more, is therefore moved by one launch of
+:mod:`jaxbuf.kernels.block_copy`, after an upload of its three columns from pinned host
+memory on the same stream. On the CPU every list goes to ``copy_batch`` (a ``memmove``
+loop in C).
 """
 
 from __future__ import annotations
@@ -49,38 +49,46 @@ class BlockCopier:
         self._slots: list[list[Any]] = []
         self._next = 0
 
-    def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> Any:
-        if self.kernel_unavailable is None and (
-            len(sizes) > FEW_COPIES or int(sizes.max()) >= LARGE_COPY
-        ):
-            from jaxbuf.kernels.block_copy import ALIGNMENT
+    def copy(
+        self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, *, aligned: bool = False
+    ) -> Any:
+        """Copy the list; ``aligned``: the caller knows every address and size is a multiple
+        of the kernel's alignment (else it is checked here)."""
+        if self.kernel_unavailable is None:
+            largest = int(sizes.max()) if len(sizes) else 0
+            if len(sizes) > FEW_COPIES or largest >= LARGE_COPY:
+                from jaxbuf.kernels.block_copy import ALIGNMENT
 
-            mask = np.uint64(ALIGNMENT - 1)
-            if not ((dsts | srcs | sizes) & mask).any():
-                try:
-                    return self._launch_kernel(dsts, srcs, sizes)
-                except Exception as error:  # noqa: BLE001 - falls back, reason kept and logged
-                    self.kernel_unavailable = f"{type(error).__name__}: {error}"
-                    _log.warning("jaxbuf: block copy kernel unavailable (%s)", error)
+                if aligned or not ((dsts | srcs | sizes) & np.uint64(ALIGNMENT - 1)).any():
+                    try:
+                        return self._launch_kernel(dsts, srcs, sizes, largest)
+                    except Exception as error:  # noqa: BLE001 - falls back, reason kept, logged
+                        self.kernel_unavailable = f"{type(error).__name__}: {error}"
+                        _log.warning("jaxbuf: block copy kernel unavailable (%s)", error)
         return self.driver.copy_batch(dsts, srcs, sizes, self.device_index)
 
-    def _launch_kernel(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray) -> Any:
-        from jaxbuf.kernels.block_copy import PIECE_BYTES, launcher
+    def _launch_kernel(
+        self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, largest: int
+    ) -> Any:
+        from jaxbuf.kernels.block_copy import launcher
 
         if self._launch is None:
             self._launch = launcher(self.driver, self.device_index)
-        table = _pieces(dsts, srcs, sizes, PIECE_BYTES)
-        slot = self._slot(len(table))
-        ctypes.memmove(slot[0], table.ctypes.data, table.nbytes)
-        driver, index = self.driver, self.device_index
-        device_table = slot[1].ptr
+        count = len(sizes)
+        slot = self._slot(count)
+        column = count * 8
+        for i, array in enumerate((dsts, srcs, sizes)):  # the three columns, one after another
+            ctypes.memmove(slot[0] + i * column, array.ctypes.data, column)
+        driver, index, device_table = self.driver, self.device_index, slot[1].ptr
         # Raw handle 2 is CU_STREAM_PER_THREAD, the stream the events are recorded on.
-        self._launch(len(table), _STREAM, device_table, copy=(device_table, slot[0], table.nbytes))
+        self._launch(
+            count, largest, _STREAM, device_table, copy=(device_table, slot[0], 3 * column)
+        )
         slot[3] = driver.record_event(_STREAM, index)  # the slot's guard
         return driver.record_event(_STREAM, index)  # the transfer's, destroyed when it ends
 
     def _slot(self, rows: int) -> list[Any]:
-        """The next piece table slot, of at least ``rows`` rows, once no kernel reads it."""
+        """The next table slot, for at least ``rows`` copies, once no kernel reads it."""
         driver = self.driver
         if len(self._slots) < _SLOTS:
             self._slots.append([0, None, 0, None])
@@ -116,21 +124,3 @@ class BlockCopier:
                 self.driver.event_synchronize(guard)
                 self.driver.destroy_event(guard)
             self._free(slot)
-
-
-def _pieces(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, piece: int) -> np.ndarray:
-    """int64 ``[n, 3]``: every copy cut into pieces of at most ``piece`` bytes."""
-    if int(sizes.max()) <= piece:
-        table = np.empty((len(sizes), 3), dtype=np.uint64)
-        table[:, 0], table[:, 1], table[:, 2] = dsts, srcs, sizes
-        return table
-    step = np.uint64(piece)
-    counts = ((sizes + step - np.uint64(1)) // step).astype(np.int64)
-    owner = np.repeat(np.arange(len(sizes)), counts)
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    offsets = (np.arange(int(counts.sum())) - first).astype(np.uint64) * step
-    table = np.empty((len(owner), 3), dtype=np.uint64)
-    table[:, 0] = dsts[owner] + offsets
-    table[:, 1] = srcs[owner] + offsets
-    table[:, 2] = np.minimum(step, sizes[owner] - offsets)
-    return table

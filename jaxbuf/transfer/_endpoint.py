@@ -392,6 +392,13 @@ class KVEndpoint:
             transfer.wait(0.0)  # raises TransferError naming the blocks
         return transfer
 
+    def aligned_with(self, peer: Peer) -> bool:
+        """Whether every block of a same-host transfer with ``peer`` starts and ends on the
+        block-copy kernel's alignment on both sides (blocks and segment starts are)."""
+        alignment = 8
+        starts = (*self.segment_starts, *peer.segment_starts, self.layout.block_bytes)
+        return not any(start % alignment for start in starts)
+
     def _peer(self, peer: Peer | str) -> Peer:
         name = peer.name if isinstance(peer, Peer) else peer
         known = self.peers.get(name) if isinstance(name, str) else None

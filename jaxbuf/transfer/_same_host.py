@@ -107,7 +107,7 @@ def post_local(
     request = (operation, local, peer.name, remote)
     driver = tensor.driver
     try:
-        event = endpoint.copier.copy(dsts, srcs, sizes)
+        event = endpoint.copier.copy(dsts, srcs, sizes, aligned=endpoint.aligned_with(peer))
     except Exception as error:
         failed = LocalTransfer(driver, None, request, endpoint.registration, None)
         raise TransferError(f"{failed.what} failed: {error}") from error
