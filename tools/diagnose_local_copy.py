@@ -62,52 +62,36 @@ def torch_copy(x, y, n):
     return run
 
 
+def report(label, fn, n=200):
+    print(f"{label:<48} {median_us(fn, n):8.1f} us")
+
+
+A, B = a.base_ptr, b.base_ptr
 ja, jb = a.segment_view(0).to_torch(), b.segment_view(0).to_torch()
-print(f"torch copy_ 64 MiB, torch memory:      {median_us(torch_copy(tx, ty, 64 * MiB)):7.1f} us")
-print(f"torch copy_ 64 MiB, jaxbuf memory:     {median_us(torch_copy(ja, jb, 64 * MiB)):7.1f} us")
-print(
-    f"kernel 1024x64K, torch memory:         {median_us(copy_and_wait(tx.data_ptr(), ty.data_ptr())):7.1f} us"
-)
-print(
-    f"kernel 1024x64K, jaxbuf memory:        {median_us(copy_and_wait(a.base_ptr, b.base_ptr)):7.1f} us"
-)
-dsts = np.uint64(a.base_ptr) + theirs
-srcs = np.uint64(b.base_ptr) + ours
-events = []
-print(
-    f"kernel 1024x64K post only: {median_us(lambda: events.append(copier.copy(dsts, srcs, sizes))):7.1f} us"
-)
+report("torch copy_ 64 MiB, torch memory", torch_copy(tx, ty, 64 * MiB))
+report("torch copy_ 64 MiB, jaxbuf memory", torch_copy(ja, jb, 64 * MiB))
+report("kernel 1024x64K + wait, torch memory", copy_and_wait(tx.data_ptr(), ty.data_ptr()))
+report("kernel 1024x64K + wait, jaxbuf memory", copy_and_wait(A, B))
+report("kernel 16x64K + wait", copy_and_wait(A, B, 16))
+report("copy_batch 1x4K + wait", copy_and_wait(A, B, 1, 4096))
+# 32 MiB from the source's 64 MiB mark to the first destination block (inside both buffers).
+report("kernel 1x32M + wait", copy_and_wait(A, B + 64 * MiB - int(ours[0]), 1, 32 * MiB))
+dsts, srcs, events = np.uint64(A) + theirs, np.uint64(B) + ours, []
+report("kernel 1024x64K, post only", lambda: events.append(copier.copy(dsts, srcs, sizes)))
 torch.cuda.synchronize()
 for event in events:
     driver.destroy_event(event)
-print(
-    f"32 MiB in pieces: {median_us(copy_and_wait(a.base_ptr, b.base_ptr + 64 * MiB - int(ours[0]), 1, 32 * MiB)):7.1f} us"
-)
-print(
-    f"kernel 16x64K, jaxbuf memory:          {median_us(copy_and_wait(a.base_ptr, b.base_ptr, 16)):7.1f} us"
-)
-print(
-    f"copy_batch 1x4K + sync:                {median_us(copy_and_wait(a.base_ptr, b.base_ptr, 1, 4096)):7.1f} us"
-)
+report("torch.cuda.synchronize alone", torch.cuda.synchronize)
 ea = KVEndpoint("a", a, KVLayout(BLOCK), transport="local")
 eb = KVEndpoint("b", b, KVLayout(BLOCK), transport="local")
 peer = ea.connect(eb.metadata())
 lb = (ours // np.uint64(BLOCK)).astype(np.int64)
 rb = (theirs // np.uint64(BLOCK)).astype(np.int64)
-imported = peer.link.imported
-print(
-    f"kernel 1024x64K, into the import:      {median_us(copy_and_wait(imported.base_ptr, a.base_ptr)):7.1f} us"
-)
-print(
-    f"endpoint write 1024x64K + wait:        {median_us(lambda: ea.write(peer, lb, rb).wait()):7.1f} us"
-)
 one = np.zeros(1, np.int64)
-print(
-    f"endpoint write 1x64K + wait:           {median_us(lambda: ea.write(peer, one, one).wait()):7.1f} us"
-)
-print(
-    f"endpoint write 1x64K post:             {median_us(lambda: ea.write(peer, one, one), 2000):7.1f} us"
-)
+report("kernel 1024x64K + wait, into the import", copy_and_wait(peer.link.imported.base_ptr, A))
+report("endpoint write 1024x64K + wait", lambda: ea.write(peer, lb, rb).wait())
+report("endpoint write 1x64K + wait", lambda: ea.write(peer, one, one).wait())
+report("endpoint write 1x64K, post only", lambda: ea.write(peer, one, one), 2000)
 torch.cuda.synchronize()
 ea.close()
 eb.close()
