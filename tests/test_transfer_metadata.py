@@ -431,7 +431,9 @@ def test_bad_framing_is_refused():
             _wire.decode(message)
     deep = b"[" * 5000 + b"]" * 5000
     header = struct.pack("!4sIIII", b"JXKV", 2, len(deep), 1, 0)
-    with pytest.raises(ValueError, match="not JSON"):
+    # Python 3.11's parser gives up on the nesting (not JSON); 3.12's parses it, and a list is
+    # no layout: refused either way, before anything else is read.
+    with pytest.raises(ValueError, match="not JSON|must be a JSON object"):
         _wire.decode(header + deep + np.array(GOOD_SEGMENTS[:1], dtype="<u8").tobytes())
     with pytest.raises(TypeError):
         _wire.decode("JXKV")
