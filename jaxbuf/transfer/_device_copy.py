@@ -2,12 +2,12 @@
 
 ``driver.copy_batch`` is one call for a whole list, but on CUDA ``cuMemcpyBatchAsync`` submits
 each copy on its own (about 5 us apiece on an H200): right for a few small copies, slow for
-hundreds of blocks, and it moved one 64 MiB block into another process's memory at 0.6x
-torch's device copy. A list of more than :data:`FEW_COPIES` copies, or with one of
-:data:`LARGE_COPY` bytes or more, is therefore moved by one launch of
-:mod:`jaxbuf.kernels.block_copy`, after an upload of its three columns from pinned host
-memory on the same stream. On the CPU every list goes to ``copy_batch`` (a ``memmove``
-loop in C).
+hundreds of blocks. A list of more than :data:`FEW_COPIES` copies is therefore moved by one
+launch of :mod:`jaxbuf.kernels.block_copy`, after an upload of its three columns from pinned
+host memory on the same stream. A few copies, however large, stay with the driver (one
+64 MiB block between two processes of an H200: 87 us through the driver, 127 us through the
+kernel, whose table upload and launch cost more than they save there). On the CPU every
+list goes to ``copy_batch`` (a ``memmove`` loop in C).
 """
 
 from __future__ import annotations
@@ -22,11 +22,7 @@ __all__ = ["BlockCopier"]
 
 _log = logging.getLogger(__name__)
 FEW_COPIES = 8
-"""Lists of at most this many copies, none of :data:`LARGE_COPY` bytes, go to
-``driver.copy_batch`` on CUDA too (no table to upload)."""
-LARGE_COPY = 1 << 20
-"""A copy this large goes through the kernel, spread over every SM: ``cuMemcpyBatchAsync``
-moved one 64 MiB block into another process's memory at 0.6x torch's device copy."""
+"""Lists of at most this many copies go to ``driver.copy_batch`` on CUDA too."""
 _SLOTS = 4  # piece tables in flight at once; a fifth launch waits for the first's kernel
 _STREAM = 2  # the DLPack number of the per-thread default stream, copy_batch's stream too
 
@@ -54,17 +50,15 @@ class BlockCopier:
     ) -> Any:
         """Copy the list; ``aligned``: the caller knows every address and size is a multiple
         of the kernel's alignment (else it is checked here)."""
-        if self.kernel_unavailable is None:
-            largest = int(sizes.max()) if len(sizes) else 0
-            if len(sizes) > FEW_COPIES or largest >= LARGE_COPY:
-                from jaxbuf.kernels.block_copy import ALIGNMENT
+        if self.kernel_unavailable is None and len(sizes) > FEW_COPIES:
+            from jaxbuf.kernels.block_copy import ALIGNMENT
 
-                if aligned or not ((dsts | srcs | sizes) & np.uint64(ALIGNMENT - 1)).any():
-                    try:
-                        return self._launch_kernel(dsts, srcs, sizes, largest)
-                    except Exception as error:  # noqa: BLE001 - falls back, reason kept, logged
-                        self.kernel_unavailable = f"{type(error).__name__}: {error}"
-                        _log.warning("jaxbuf: block copy kernel unavailable (%s)", error)
+            if aligned or not ((dsts | srcs | sizes) & np.uint64(ALIGNMENT - 1)).any():
+                try:
+                    return self._launch_kernel(dsts, srcs, sizes, int(sizes.max()))
+                except Exception as error:  # noqa: BLE001 - falls back, reason kept, logged
+                    self.kernel_unavailable = f"{type(error).__name__}: {error}"
+                    _log.warning("jaxbuf: block copy kernel unavailable (%s)", error)
         return self.driver.copy_batch(dsts, srcs, sizes, self.device_index)
 
     def _launch_kernel(
