@@ -353,8 +353,45 @@ def test_copy_kernel_against_numpy():
     sizes[0] = slot  # exactly three pieces
     for to, at, size in zip(starts, reads, sizes):
         model[to : to + size] = source[at : at + size]
-    table = np.concatenate(
-        [target.ctypes.data + starts, source.ctypes.data + reads, sizes]
-    ).astype(np.uint64)
+    table = np.concatenate([target.ctypes.data + starts, source.ctypes.data + reads, sizes]).astype(
+        np.uint64
+    )
     copy_interpreted(table.ctypes.data, len(sizes), int(sizes.max()))
     np.testing.assert_array_equal(target, model)
+
+
+def _two_gpu_reason() -> str | None:
+    from jaxbuf.drivers import cuda_unavailable_reason, get_vmm_driver
+
+    if cuda_unavailable_reason() is not None:
+        return f"needs 2 CUDA devices: {cuda_unavailable_reason()}"
+    count = get_vmm_driver("cuda").device_count()
+    return None if count >= 2 else f"needs 2 CUDA devices, found {count}"
+
+
+@pytest.mark.multigpu
+def test_two_gpus_of_one_host_map_each_other_with_peer_access():
+    """Prefill on cuda:1 in another process, decode on cuda:0 here: the import is mapped with
+    access for cuda:0 (peer access), and blocks move both ways through it."""
+    reason = _two_gpu_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    peer = PeerProcess("gpu1", CAPACITY, SEGMENTS, BLOCK, "cuda:1", transport="local")
+    tensor = jaxbuf.ExtensibleTensor(CAPACITY, "cuda:0", num_segments=SEGMENTS)
+    endpoint = KVEndpoint("gpu0", tensor, KVLayout(BLOCK), transport="local")
+    try:
+        tensor.resize_per_segment_(MiB, zero_new=True)
+        peer("recommit", MiB)
+        _sync_both(peer, endpoint)
+        data = np.arange(BLOCK, dtype=np.uint8)
+        _fill(tensor, "cuda:0", 0, 2 * BLOCK, data)
+        blocks = list(range(12))  # more than a few: the copy kernel on cuda:0
+        endpoint.write("gpu1", blocks, blocks[::-1], segments=[0]).wait(30)
+        assert peer("read", 0, 9 * BLOCK, BLOCK) == data.tobytes()
+        peer("write", "gpu0", [9], [5])
+        got = _to_host(tensor.segment_view(0), "cuda:0")[5 * BLOCK : 6 * BLOCK]
+        np.testing.assert_array_equal(got, data)
+    finally:
+        endpoint.close()
+        tensor.free()
+        peer.stop()
