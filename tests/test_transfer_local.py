@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from transfer_peer import PeerProcess  # noqa: E402
+from transfer_peer import PeerProcess, write_bytes  # noqa: E402
 
 import jaxbuf
 from jaxbuf.transfer import KVEndpoint, KVLayout, _wire
@@ -40,14 +40,7 @@ def _to_host(view, device: str) -> np.ndarray:
 
 
 def _fill(tensor, device: str, segment: int, start: int, data: np.ndarray) -> None:
-    view = tensor.segment_view(segment)
-    if device == "cpu":
-        view.to_numpy()[start : start + len(data)] = data
-    else:
-        import torch
-
-        view.to_torch()[start : start + len(data)].copy_(torch.from_numpy(data.copy()))
-        torch.cuda.synchronize()
+    write_bytes(tensor, device, segment, start, data.tobytes())
 
 
 class Side:

@@ -54,7 +54,7 @@ def serve(
         "read": read,
         "release": tensor.release_physical,
         "recommit": lambda size: tensor.resize_per_segment_(size, zero_new=True),
-        "write_bytes": lambda segment, start, data: _write_bytes(
+        "write_bytes": lambda segment, start, data: write_bytes(
             tensor, device, segment, start, data
         ),
         "transport": lambda peer: endpoint.peers[peer].transport,
@@ -86,7 +86,9 @@ def serve(
             connection.send(("error", f"{type(error).__name__}: {error}"))
 
 
-def _write_bytes(tensor: Any, device: str, segment: int, start: int, data: bytes) -> None:
+def write_bytes(tensor: Any, device: str, segment: int, start: int, data: bytes) -> None:
+    """Write ``data`` at byte ``start`` of ``tensor``'s segment, through numpy on the CPU and
+    torch on CUDA (synchronized): what a cache's owner does before a transfer."""
     import numpy as np
 
     values = np.frombuffer(data, dtype=np.uint8)
