@@ -388,3 +388,27 @@ def test_two_gpus_of_one_host_map_each_other_with_peer_access():
         endpoint.close()
         tensor.free()
         peer.stop()
+
+
+def test_a_buffer_that_cannot_be_served_falls_back_or_says_why():
+    """A driver that cannot export a chunk (on the CPU without CAP_SYS_ADMIN): "local"
+    raises naming the reason, "auto" offers a message without a same-host address."""
+    from jaxbuf.drivers import get_vmm_driver
+    from jaxbuf.testing import FaultInjectingDriver
+
+    driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+    tensor = jaxbuf.ExtensibleTensor(CAPACITY, "cpu", driver=driver)
+    tensor.resize_per_segment_(MiB)
+    local = KVEndpoint("refused", tensor, KVLayout(BLOCK), transport="local")
+    auto = KVEndpoint("fallback", tensor, KVLayout(BLOCK), transport="auto")
+    try:
+        driver.fail_on("export_handle", 1, PermissionError("EPERM: no CAP_SYS_ADMIN"))
+        with pytest.raises(RuntimeError, match="cannot be served.*CAP_SYS_ADMIN"):
+            local.metadata()
+        driver.fail_on("export_handle", 1, PermissionError("EPERM: no CAP_SYS_ADMIN"))
+        assert _wire.decode(auto.metadata()).local is None
+        assert _wire.decode(auto.metadata()).local is not None  # the driver works again
+    finally:
+        local.close()
+        auto.close()
+        tensor.free()

@@ -185,7 +185,11 @@ class KVEndpoint:
 
         Unless ``transport="nixl"``, it also offers this buffer to same-host peers: the
         host's boot id, this uid and the address of a socket that serves the chunks mapped
-        now (chunks unmapped later are withdrawn at once, before they are unmapped)."""
+        now (chunks unmapped later are withdrawn at once, before they are unmapped). Where
+        the driver cannot export them (on the CPU, a mapped chunk is reopened through
+        ``/proc/self/map_files``, which needs ``CAP_SYS_ADMIN`` or
+        ``CAP_CHECKPOINT_RESTORE``), ``"auto"`` offers NIXL alone and ``"local"`` raises
+        ``RuntimeError`` saying why."""
         self._check_open()
         layout = self.remote_layout()
         if self.transport != "nixl":
@@ -195,6 +199,10 @@ class KVEndpoint:
                 boot_id, uid = host_identity()
                 layout = dataclasses.replace(
                     layout, local=LocalAddress(boot_id, uid, self._server.address)
+                )
+            elif self.transport == "local":
+                raise RuntimeError(
+                    f"this buffer cannot be served to same-host peers: {self._server.unavailable}"
                 )
         return encode(layout)
 
