@@ -188,6 +188,10 @@ class BufferView:
             )
         if ptr % dtype.itemsize:
             raise ValueError(f"pointer {ptr:#x} is not aligned to {dtype} ({dtype.itemsize} bytes)")
+        # DLPack's shape and strides are int64. A non-empty shape fits (its bytes do), but a
+        # zero-size one can still have huge extents and strides; checked only then (hot path).
+        if not needed and any(n >= 1 << 63 for n in (*shape, *_dlpack.contiguous_strides(shape))):
+            raise ValueError(f"shape {shape}: an extent or stride does not fit DLPack's int64")
         self.ptr = ptr
         self.nbytes = nbytes
         self.dtype: DType = dtype
@@ -267,8 +271,13 @@ class BufferView:
             if target[0] == K_DL_CPU and stream is not None and stream != -1:
                 raise BufferError(f"stream must be None for an export to the host, got {stream!r}")
             if copy:
-                _dlpack.anchor_for(self.owner)  # a freed owner raises here too
-                return _copy_capsule(self, target[0], target[1], versioned)
+                # An export held while the bytes are read (a freed owner raises here): a
+                # free() on another thread then waits for it instead of unmapping under it.
+                held = _dlpack.new_capsule(self._legacy_payload, _dlpack.anchor_for(self.owner))
+                try:
+                    return _copy_capsule(self, target[0], target[1], versioned)
+                finally:
+                    del held  # unconsumed: its destructor gives the export back
             device_type = target[0]
         anchor = _dlpack.anchor_for(self.owner)
         if stream is not None and stream != -1:

@@ -297,6 +297,55 @@ done()
     assert run_child(body, "cpu", timeout=300) == "works"
 
 
+@pytest.mark.parametrize("close", ["free", "uva_free", "import_close"])
+def test_free_racing_a_copy_export_ends_in_an_error_never_a_signal(close):
+    """A copy export reads the owner's bytes: it holds an export while it does, so a free()
+    (or an import's close()) on another thread waits for it; before, 128 MiB copies racing
+    free() died with SIGSEGV in the driver's copy."""
+    body = r"""
+import threading
+import numpy as np
+from jaxbuf.sharing import ImportedBuffer, export_layout
+sys.setswitchinterval(1e-5)
+size = 128 * MiB
+outcomes = {"copied": 0, "refused": 0}
+for _ in range(6):
+    if CLOSE == "uva_free":
+        owner = jaxbuf.UvaBuffer(size, "uint8", device="cpu")
+        view, close = owner.view, owner.free
+    else:
+        tensor = jaxbuf.ExtensibleTensor(size, device="cpu")
+        tensor.resize_per_segment_(size, zero_new=True)
+        if CLOSE == "free":
+            view, close = tensor.segment_view(0), tensor.free
+        else:
+            layout, fds = export_layout(tensor)
+            imported = ImportedBuffer(layout, list(fds))
+            view, close = imported.segment_view(0), imported.close
+    started = threading.Event()
+    def copy():
+        started.set()
+        for _ in range(3):
+            try:
+                array = np.from_dlpack(view, copy=True)
+                assert int(array[::4096].sum()) == 0
+                outcomes["copied"] += 1
+            except RuntimeError:
+                outcomes["refused"] += 1
+                return
+    thread = threading.Thread(target=copy)
+    thread.start()
+    started.wait()
+    close()
+    thread.join()
+    if CLOSE == "import_close":
+        tensor.free()
+print(outcomes)
+done()
+""".replace("CLOSE", repr(close))
+    assert run_child(body, "cpu", timeout=300) == "works"
+
+
 # -- clear errors ------------------------------------------------------------------------------
 def test_a_view_of_2_63_bytes_is_a_clear_value_error():
     with pytest.raises(ValueError, match=r"nbytes must be in \[0, 2\*\*63\)"):
