@@ -79,3 +79,13 @@ def as_optional_bool(value: Any, name: str) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool or None, got {value!r}")
     return value
+
+
+def as_seconds(value: Any, name: str) -> float:
+    """A non-negative number of seconds (an int or a float, not a bool or a string), or the
+    ``TypeError`` / ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    if not value >= 0:  # NaN too
+        raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+    return float(value)

@@ -73,8 +73,9 @@ def _parse_string(spec: str) -> Device:
         raise ValueError(f"unknown device {spec!r}; expected 'cpu', 'cuda' or 'cuda:N'")
     if not index_text:
         return Device(platform, 0)
-    if not index_text.isdigit():
-        raise ValueError(f"bad device index in {spec!r}")
+    # isdigit() accepts digits int() refuses ('²'): ASCII digits only.
+    if not (index_text.isascii() and index_text.isdigit()):
+        raise ValueError(f"bad device index in {spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")
     return Device(platform, int(index_text))
 
 

@@ -99,11 +99,28 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+#: Short spellings torch and JAX users type (``torch.half`` is "half"; "bf16" is the mixed
+#: precision flags' spelling).
+_SHORT_NAMES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "f64": "float64",
+    "double": "float64",
+}
+
+
 @lru_cache(maxsize=256)
 def _canonical_by_key(key: Any) -> DType | None:
     if isinstance(key, str):
         # Spellings copied from reprs are accepted: "torch.float32", "dtype('int32')".
         name = key.removeprefix("torch.").removeprefix("dtype(").strip("')\"")
+        name = _SHORT_NAMES.get(name, name)
     else:
         # A framework's dtype object (torch.float32, jnp.bfloat16) is named by its adapter;
         # anything else (numpy dtypes and scalar types) by numpy.

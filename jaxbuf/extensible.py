@@ -338,6 +338,8 @@ class ExtensibleTensor(SegmentedReservation):
 
     def _grow(self, new_sizes: list[int], zero_new: bool) -> None:
         """:meth:`resize_segments_` once ``new_sizes`` are known to be non-negative ints."""
+        if not isinstance(zero_new, bool):  # "no" is truthy: never guess what was meant
+            raise TypeError(f"zero_new must be a bool, got {zero_new!r}")
         if len(new_sizes) != self.num_segments:
             raise ValueError(f"expected {self.num_segments} sizes, got {len(new_sizes)}")
         for old, new, capacity in zip(self._committed, new_sizes, self._segment_capacities):

@@ -35,6 +35,15 @@ _NOT_COPYABLE = (
 )
 
 
+def _close_after(error: BaseException, fds: Sequence[int]) -> None:
+    """Close ``fds`` once ``error`` is on its way: a descriptor that will not close (a bad
+    one the caller passed) is noted on ``error``, never raised in its place."""
+    try:
+        _close_all(fds)
+    except OSError as close_error:
+        error.add_note(f"closing the received descriptors failed too: {close_error!r}")
+
+
 class _Mappings:
     """The platform resources of one import: the reservation of ``reserved_size`` bytes at
     ``base_ptr`` and the chunks mapped into it (an :class:`~jaxbuf._owner.OwnedAllocation`).
@@ -249,8 +258,8 @@ class ImportedBuffer(SegmentedReservation):
             mappings = _Mappings(
                 self._driver, self._device.index, self._reserved_size, alignment, self._read_only
             )
-        except BaseException:
-            _close_all(fds)
+        except BaseException as error:
+            _close_after(error, fds)
             raise
         self._mappings = mappings
         self._lifetime = Lifetime(mappings)
@@ -332,8 +341,8 @@ class ImportedBuffer(SegmentedReservation):
                     f"layout lists chunks {sorted(missing)} that were never sent here (was "
                     "it exported with since= a layout this importer did not receive?)"
                 )
-        except BaseException:
-            _close_all(fds)
+        except BaseException as error:
+            _close_after(error, fds)
             raise
         new_sizes = [int(s) for s in layout["committed_sizes"]]
         exported = self._lifetime.live_exports > 0

@@ -81,7 +81,13 @@ def export_layout(
                 f"since was exported with read_only={since.get('read_only', False)}, this "
                 f"export asks for read_only={read_only}: an importer keeps one access mode"
             )
-        known = {int(chunk[2]) for chunk in since["all_chunks"]}
+        try:
+            known = {int(chunk[2]) for chunk in since["all_chunks"]}
+        except (KeyError, TypeError, IndexError, ValueError):
+            raise ValueError(
+                "since must be a whole layout exported from this buffer (its 'all_chunks' as "
+                f"[offset, size, chunk id] rows), got {since!r:.200}"
+            ) from None
     records = buffer.chunk_records()
     layout = {
         "version": LAYOUT_VERSION,

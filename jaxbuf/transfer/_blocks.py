@@ -44,6 +44,10 @@ class KVLayout:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         object.__setattr__(self, "block_bytes", block_bytes)
         if self.segments is not None:
+            if isinstance(self.segments, (str, bytes)) or not isinstance(self.segments, Sequence):
+                raise TypeError(
+                    f"segments must be a sequence of segment indices, got {self.segments!r}"
+                )
             segments = tuple(as_int(s, "segment") for s in self.segments)
             if not segments or len(set(segments)) != len(segments):
                 raise ValueError(f"segments must be distinct and non-empty, got {segments}")

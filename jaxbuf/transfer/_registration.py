@@ -19,7 +19,7 @@ from bisect import bisect_right
 from collections.abc import Iterable
 from typing import Any
 
-from jaxbuf._checks import as_int
+from jaxbuf._checks import as_int, as_seconds
 from jaxbuf.transfer._nixl import Agent, memory_type_of
 
 __all__ = ["Registration", "TransferInFlight"]
@@ -101,8 +101,7 @@ class Registration:
                 raise IndexError(f"segment {segment} out of range for {count} segment(s)")
         if len(set(chosen)) != len(chosen) or not chosen:
             raise ValueError(f"segments must be distinct and non-empty, got {chosen}")
-        if not release_timeout >= 0:
-            raise ValueError(f"release_timeout must be non-negative, got {release_timeout!r}")
+        release_timeout = as_seconds(release_timeout, "release_timeout")
         self.agent = agent
         self.tensor = tensor
         self.segments = tuple(sorted(chosen))

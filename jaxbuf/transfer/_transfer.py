@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxbuf._checks import as_seconds
 from jaxbuf.transfer._blocks import describe
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class Transfer:
 
     def wait(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Wait for the transfer; TimeoutError (it stays in flight) or TransferError."""
+        timeout = as_seconds(timeout, "timeout")
         if not self.settle(timeout):
             raise TimeoutError(f"{self.what} did not finish within {timeout} s")
         if self.error is not None:
