@@ -134,6 +134,8 @@ class VirtualBuffer(Defragmenting):
         # Registrations following the memory (see MappingListener). Empty for almost every
         # buffer: each notification site tests this tuple first, so they cost nothing then.
         self._listeners: tuple[MappingListener, ...] = ()
+        # The listener being told, while one is: the buffer refuses to change meanwhile.
+        self._telling: MappingListener | None = None
         driver.ensure_context(device_index)
         retry_deferred(driver)  # releases that failed in a finalizer: retried at next use
         self.base_ptr = driver.reserve(self.reserved_size, granularity)
@@ -170,6 +172,7 @@ class VirtualBuffer(Defragmenting):
                 )
         if self._released:
             self._check_alive()  # raises, naming the owner
+        self._check_not_telling("commit memory in")
         if self._stranded is not None:
             raise RuntimeError(f"cannot commit: {self._stranded}; call release_physical() first")
         granularity = self.granularity
@@ -203,8 +206,9 @@ class VirtualBuffer(Defragmenting):
         self._check_alive()
         if any(existing is listener for existing in self._listeners):
             raise ValueError(f"{listener!r} is already attached to this {self.what}")
+        self._check_not_telling("attach a listener to")
         if self._chunks:
-            listener.mapped(self.mapped_chunks())
+            self._tell(listener, "mapped", self.mapped_chunks())
         self._listeners = (*self._listeners, listener)
 
     def remove_mapping_listener(self, listener: MappingListener) -> None:
@@ -212,8 +216,9 @@ class VirtualBuffer(Defragmenting):
         (it raises to refuse, and stays attached). A listener not attached: ValueError."""
         if not any(existing is listener for existing in self._listeners):
             raise ValueError(f"{listener!r} is not attached to this {self.what}")
+        self._check_not_telling("detach a listener from")
         if self._chunks:
-            listener.unmapping(self.mapped_chunks())
+            self._tell(listener, "unmapping", self.mapped_chunks())
         self._listeners = tuple(item for item in self._listeners if item is not listener)
 
     def remove_all_mapping_listeners(self) -> None:
@@ -225,6 +230,24 @@ class VirtualBuffer(Defragmenting):
     def mapped_chunks(self) -> list[tuple[int, int]]:
         """``(offset, size)`` of every mapped chunk, sorted by offset."""
         return [(offset, size) for offset, size, _ in self._chunks]
+
+    def _tell(self, listener: MappingListener, event: str, chunks: list[tuple[int, int]]) -> None:
+        """``listener.<event>(chunks)``, during which this buffer refuses to change."""
+        telling, self._telling = self._telling, listener
+        try:
+            getattr(listener, event)(chunks)
+        finally:
+            self._telling = telling
+
+    def _check_not_telling(self, what: str) -> None:
+        """RuntimeError when a listener, told of a change, calls back to change the buffer
+        (a ``release_physical`` from ``mapped``): the buffer is half-way through that change,
+        and the call would leave it committed over nothing."""
+        if self._telling is not None:
+            raise RuntimeError(
+                f"cannot {what} this {self.what} from its mapping listener "
+                f"{self._telling!r}: a listener is told of a change while it is being made"
+            )
 
     def _notify_mapped(self, chunks: list[tuple[int, int]]) -> None:
         """Tell every listener ``mapped``; if one raises, those told before it are told
@@ -242,11 +265,11 @@ class VirtualBuffer(Defragmenting):
         told: list[MappingListener] = []
         try:
             for listener in self._listeners:
-                getattr(listener, event)(chunks)
+                self._tell(listener, event, chunks)
                 told.append(listener)
         except BaseException as error:
             for listener in reversed(told):
-                attempt(error, f"undoing {listener!r}.{event}", getattr(listener, undo), chunks)
+                attempt(error, f"undoing {listener!r}.{event}", self._tell, listener, undo, chunks)
             raise
 
     def _commit_gap(self, offset: int, size_end: int) -> tuple[int, int, Any]:
@@ -346,6 +369,7 @@ class VirtualBuffer(Defragmenting):
         recorded granule loses access).
         """
         self._check_alive()
+        self._check_not_telling("grant access to")
         if not device_indices:
             return
         driver = self._driver
@@ -360,6 +384,7 @@ class VirtualBuffer(Defragmenting):
         """Tell the listeners ``unmapping`` of every mapped chunk (a refusal raises with
         nothing changed): the first step of :meth:`release_physical`, for a caller that
         must know a refusal from a driver failure."""
+        self._check_not_telling("release the memory of")
         if self._listeners and self._chunks:
             self._notify_unmapping(self.mapped_chunks())
 
@@ -373,6 +398,7 @@ class VirtualBuffer(Defragmenting):
         """
         if self._released:
             return
+        self._check_not_telling("release the memory of")
         if not listeners_told:
             # Before anything is waited for or unmapped: a refusal changes nothing.
             self.tell_unmapping()
@@ -438,6 +464,7 @@ class VirtualBuffer(Defragmenting):
         """
         if self._released:
             return
+        self._check_not_telling("free")
         retry_deferred(self._driver)
         self.release_physical()
         if self.base_ptr:

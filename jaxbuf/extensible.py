@@ -478,6 +478,7 @@ class ExtensibleTensor(SegmentedReservation):
         buffer = self._buffer
         if buffer is None:
             return
+        buffer._check_not_telling("free")  # from a listener: refused before anything changes
         if not self._lifetime.closed:
             # "I am done" ends every registration now, even while exports keep the memory
             # mapped; a refusal (a transfer in flight) propagates before anything changes.

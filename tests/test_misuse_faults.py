@@ -346,6 +346,57 @@ done()
     assert run_child(body, "cpu", timeout=300) == "works"
 
 
+def test_a_listener_calling_back_into_its_buffer_is_refused():
+    """A mapping listener whose mapped() releases the buffer left it claiming 4 MiB committed
+    over no memory, and the next write died with SIGSEGV: every call that would change the
+    buffer from inside a listener is refused, the change being told of is undone (mapped) or
+    refused (unmapping), and the buffer stays usable."""
+    body = r"""
+import numpy as np
+calls = {
+    "release": lambda buf: buf.release_physical(),
+    "grow": lambda buf: buf.resize_per_segment_(6 * MiB),
+    "defragment": lambda buf: buf.defragment(),
+    "free": lambda buf: buf.free(),
+}
+class Reentrant:  # calls back into the buffer the first time it is told `event`
+    def __init__(self, buf, event, call):
+        self.buf, self.event, self.call, self.armed = buf, event, call, True
+    def _told(self, event):
+        if event == self.event and self.armed:
+            self.armed = False
+            self.call(self.buf)
+    def mapped(self, chunks):
+        self._told("mapped")
+    def unmapping(self, chunks):
+        self._told("unmapping")
+for event in ("mapped", "unmapping"):
+    for name, call in calls.items():
+        buf = jaxbuf.ExtensibleTensor(8 * MiB, device="cpu")
+        buf.resize_per_segment_(2 * MiB)
+        listener = Reentrant(buf, event, call)
+        try:
+            if event == "mapped":  # told of the chunks mapped now, as it is attached
+                buf.add_mapping_listener(listener)
+            else:
+                buf.add_mapping_listener(listener)
+                buf.release_physical()
+        except RuntimeError as error:
+            assert "from its mapping listener" in str(error), error
+        else:
+            raise AssertionError(f"{name} from {event} was not refused")
+        committed = buf.committed_sizes[0]
+        assert buf.physical_bytes >= committed > 0, (name, event, committed, buf.physical_bytes)
+        view = buf.segment_view(0).to_numpy()
+        view[:] = 7  # every committed byte is mapped: no fault
+        assert int(view[-1]) == 7
+        buf.resize_per_segment_(4 * MiB)  # usable: a grow tells the listener, now disarmed
+        buf.free()
+done()
+"""
+    assert run_child(body, "cpu", timeout=120) == "works"
+
+
 # -- clear errors ------------------------------------------------------------------------------
 def test_a_view_of_2_63_bytes_is_a_clear_value_error():
     with pytest.raises(ValueError, match=r"nbytes must be in \[0, 2\*\*63\)"):
