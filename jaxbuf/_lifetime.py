@@ -75,11 +75,17 @@ def retry_deferred(driver: Any = None) -> None:
         for entry in mine:
             _deferred.remove(entry)
     failed = []
-    for entry in mine:
+    for i, entry in enumerate(mine):
         try:
             entry[1]()
         except Exception:  # noqa: BLE001 - reported when queued; kept for the next retry
             failed.append(entry)
+        except BaseException:
+            # An interrupt (Ctrl-C, an exception from a signal handler): the release it cut
+            # short and those not reached stay queued (each release retries what is left).
+            with _deferred_lock:
+                _deferred[:0] = failed + mine[i:]
+            raise
     if failed:
         with _deferred_lock:
             _deferred[:0] = failed

@@ -394,7 +394,10 @@ class VirtualBuffer(Defragmenting):
         The listeners are told first (unless ``listeners_told``: the caller did
         :meth:`tell_unmapping`); one that refuses raises with nothing changed. Best effort
         over all chunks: a chunk whose unmap fails stays tracked (and committed); the first
-        error is raised with the others attached as notes.
+        error is raised with the others attached as notes. An interrupt (Ctrl-C) in the
+        middle is treated like a failure of that one step: every other chunk is still
+        released and forgotten, the bookkeeping matches the memory, and the interrupt is
+        raised at the end (nothing released twice by the next call, nothing leaked).
         """
         if self._released:
             return
@@ -419,20 +422,20 @@ class VirtualBuffer(Defragmenting):
         for handle in unreleased:
             try:
                 driver.release(handle)
-            except Exception as error:  # noqa: BLE001 - re-raised below
+            except BaseException as error:  # noqa: BLE001 - re-raised below, an interrupt first
                 errors.append(error)
                 self._unreleased.append(handle)
         for chunk in self._chunks:
             offset, size, handle = chunk
             try:
                 driver.unmap(self.base_ptr + offset, size)
-            except Exception as error:  # noqa: BLE001 - re-raised below
+            except BaseException as error:  # noqa: BLE001 - re-raised below, an interrupt first
                 errors.append(error)
                 still_mapped.append(chunk)
                 continue
             try:
                 driver.release(handle)
-            except Exception as error:  # noqa: BLE001 - re-raised below
+            except BaseException as error:  # noqa: BLE001 - re-raised below, an interrupt first
                 errors.append(error)
                 self._unreleased.append(handle)
         self._chunks = []
