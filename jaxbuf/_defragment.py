@@ -190,7 +190,7 @@ class Defragmenting:
         if self._listeners:
             try:
                 self._notify_mapped([(first, size)])
-            except Exception as error:  # noqa: BLE001 - raised below, after the cleanup errors
+            except BaseException as error:  # noqa: BLE001 - raised below, after the cleanup
                 error.add_note(
                     "defragment completed (the span is one chunk) but a registration of the "
                     "new chunk failed: the span is registered with no listener"
@@ -270,20 +270,21 @@ class Defragmenting:
         self, ptr: int, size: int, mapped: list[tuple[int, int, Any]]
     ) -> list[BaseException]:
         """Unmap and release the chunks ``mapped`` in the temporary reservation at ``ptr``,
-        then free it. What fails is kept in :attr:`_stray_reservations`; returns the
-        errors."""
+        then free it. What fails, or is interrupted (Ctrl-C), is kept in
+        :attr:`_stray_reservations` and the rest still done; returns the errors (the caller
+        raises an interrupt first)."""
         errors: list[BaseException] = []
         left: list[tuple[int, int, Any]] = []
         for chunk_ptr, chunk_size, handle in mapped:
             try:
                 self._driver.unmap(chunk_ptr, chunk_size)
-            except Exception as error:  # noqa: BLE001 - returned to the caller
+            except BaseException as error:  # noqa: BLE001 - returned to the caller, interrupts too
                 errors.append(error)
                 left.append((chunk_ptr, chunk_size, handle))
                 continue
             try:
                 self._driver.release(handle)
-            except Exception as error:  # noqa: BLE001 - returned to the caller
+            except BaseException as error:  # noqa: BLE001 - returned to the caller, interrupts too
                 errors.append(error)
                 self._unreleased.append(handle)
         if left:
@@ -291,7 +292,7 @@ class Defragmenting:
             return errors
         try:
             self._driver.free_reserved(ptr, size)
-        except Exception as error:  # noqa: BLE001 - returned to the caller
+        except BaseException as error:  # noqa: BLE001 - returned to the caller, interrupts too
             errors.append(error)
             self._stray_reservations.append((ptr, size, []))
         return errors
@@ -305,7 +306,7 @@ class Defragmenting:
         try:
             for device_index in self.access_devices:
                 self._driver.synchronize(device_index)
-        except Exception as error:  # noqa: BLE001 - returned to the caller
+        except BaseException as error:  # noqa: BLE001 - returned to the caller, interrupts too
             self._stray_reservations = stray + self._stray_reservations
             return [error]
         errors: list[BaseException] = []

@@ -85,3 +85,27 @@ def test_an_interrupt_inside_the_deferred_retry_keeps_the_release_queued():
     assert _lifetime.deferred_releases(driver) == ["first", "second"]
     _lifetime.retry_deferred(driver)
     assert done == ["first", "second"] and _lifetime.deferred_releases(driver) == []
+
+
+@pytest.mark.parametrize(
+    "kind, nth",
+    [("unmap", 1), ("unmap", 3), ("release", 1), ("release", 2), ("free_reserved", 1),
+     ("free_reserved", 2)],
+)  # fmt: skip
+def test_an_interrupt_in_defragment_cleanup_leaks_nothing(kind, nth):
+    """KeyboardInterrupt at the nth unmap, release or free_reserved of a defragment's cleanup
+    (the old chunks and the two temporary reservations, after the swap): the bytes are kept,
+    what was cut short is retried by the next release, and once the buffer is freed the driver
+    holds no handle and no reservation (a Ctrl-C there leaked a whole segment's chunks and
+    both temporary reservations)."""
+    driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+    tensor = _grown(driver)
+    tensor.segment_view(0).to_numpy()[:] = 5
+    driver.fail_on(kind, nth, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        tensor.defragment()  # the cleanup: 3 x (unmap, release), then 2 x free_reserved
+    driver.disarm()
+    assert (tensor.segment_view(0).to_numpy() == 5).all()  # the bytes survive
+    assert tensor.num_physical_chunks == 1  # the swap was done before the interrupt
+    tensor.free()
+    assert driver.problems() == [] and not driver.live_handles and not driver.reservations

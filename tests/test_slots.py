@@ -223,6 +223,48 @@ def test_close_keeps_a_buffer_whose_release_fails_and_retries_it():
     assert not ring.held and len(calls.released) == 2
 
 
+def test_close_interrupted_in_a_release_frees_every_slot_on_the_next_close():
+    """A Ctrl-C in a slot's host_free: the slot was detached first, so the retried close()
+    freed nothing and the pinned block lived until garbage collection. The interrupt now
+    reaches the caller after every other slot is released, the interrupted one keeps its
+    buffer, and the next close() frees it."""
+    ring, calls = _ring(count=3)
+    for slot in ring.slots:
+        ring.grow(slot, 8)
+    interrupts = [KeyboardInterrupt()]
+    release = calls.release
+
+    def interrupted_once(buffer):
+        if interrupts:
+            raise interrupts.pop()
+        release(buffer)
+
+    ring._release = interrupted_once
+    with pytest.raises(KeyboardInterrupt):
+        ring.close()
+    assert len(calls.released) == 2 and sum(s.buffer is not None for s in ring.slots) == 1
+    ring.close()
+    assert not ring.held and len(calls.released) == 3
+
+
+def test_an_event_interrupted_while_destroyed_is_kept_for_a_retry():
+    destroyed, interrupts = [], [KeyboardInterrupt()]
+
+    class Driver:
+        def destroy_event(self, handle):
+            if interrupts:
+                raise interrupts.pop()
+            destroyed.append(handle)
+
+    event = DeviceEvent.__new__(DeviceEvent)
+    event._driver, event.handle = Driver(), 42
+    with pytest.raises(KeyboardInterrupt):
+        event.release()
+    assert event.handle == 42  # not forgotten before it was destroyed
+    event.release()
+    assert destroyed == [42] and event.handle is None
+
+
 def test_a_bad_mode_is_refused():
     with pytest.raises(ValueError, match="'sometimes'"):
         PinnedSlotRing(1, int, print, print, mode="sometimes")

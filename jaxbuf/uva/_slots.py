@@ -74,10 +74,12 @@ class DeviceEvent:
         return True
 
     def release(self) -> None:
-        """Destroy the event now (a failure reaches the caller; the handle is not retried)."""
-        handle, self.handle = self.handle, None
+        """Destroy the event now, then forget it: a failure or an interrupt reaches the caller
+        with the handle kept, for the next ``release()`` (or the finalizer) to retry."""
+        handle = self.handle
         if handle is not None:
             self._driver.destroy_event(handle)
+            self.handle = None
 
     def __del__(self, _release: Any = release_when_collected) -> None:
         handle, self.handle = self.handle, None
