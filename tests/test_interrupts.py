@@ -109,3 +109,26 @@ def test_an_interrupt_in_defragment_cleanup_leaks_nothing(kind, nth):
     assert tensor.num_physical_chunks == 1  # the swap was done before the interrupt
     tensor.free()
     assert driver.problems() == [] and not driver.live_handles and not driver.reservations
+
+
+def test_an_interrupt_while_a_chunk_is_created_leaves_no_memfd_open(monkeypatch):
+    """A signal handler raising KeyboardInterrupt during a grow's posix_fallocate left the
+    memfd open, its pages committed, after free(): the descriptor is closed on the way out."""
+    import os
+
+    from jaxbuf.drivers.host import HostVmmDriver
+
+    def interrupted(fd, offset, length):
+        raise KeyboardInterrupt
+
+    driver = HostVmmDriver()
+    before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "posix_fallocate", interrupted)
+    tensor = jaxbuf.ExtensibleTensor(16 * MiB, "cpu", driver=driver)
+    with pytest.raises(KeyboardInterrupt):
+        tensor.resize_per_segment_(4 * MiB)
+    monkeypatch.undo()
+    assert tensor.committed_sizes == [0] and tensor.physical_bytes == 0
+    tensor.resize_per_segment_(4 * MiB)  # usable
+    tensor.free()
+    assert set(os.listdir("/proc/self/fd")) <= before

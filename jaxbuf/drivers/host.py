@@ -324,6 +324,11 @@ class HostVmmDriver(VmmDriver):
         except OSError as exc:
             os.close(fd)
             raise DriverError(call, errno_name(exc.errno), size=size) from None
+        except BaseException:
+            # An interrupt (a signal handler raising during posix_fallocate's seconds of
+            # work): the memfd, its pages committed already, is no one's else.
+            os.close(fd)
+            raise
         return HostChunk(fd, size)
 
     def release(self, handle: HostChunk) -> None:
