@@ -21,11 +21,12 @@ from jaxbuf._checks import as_int as _as_int
 from jaxbuf._defragment import defragment_segments
 from jaxbuf._errors import ClosedError, attempt
 from jaxbuf._owner import Lifetime
+from jaxbuf._peers import check_peers, parse_peer_specs
 from jaxbuf._reservation import MIN_GRANULARITY, MappingListener, commit_granule, round_up
 from jaxbuf._reservation import VirtualBuffer as _VirtualBuffer
 from jaxbuf._resolve import resolve
 from jaxbuf._segments import SegmentedReservation
-from jaxbuf.devices import Device, DeviceLike, as_device
+from jaxbuf.devices import Device, DeviceLike
 from jaxbuf.drivers.base import VmmDriver
 from jaxbuf.views import BufferView
 
@@ -52,47 +53,6 @@ def _as_size_list(values: Any, name: str) -> list[int]:
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise TypeError(f"{name} must be a sequence of integers, got {values!r}")
     return [_as_size(v, f"{name}[{i}]") for i, v in enumerate(values)]
-
-
-def _parse_peer_specs(peers: Any, owner_platform: str | None) -> list[Device]:
-    """Device specs -> Devices, without touching a driver: a single spec or an iterable of
-    them; TypeError / ValueError naming a bad spec, a platform other than the owner's
-    (when known) or a duplicate."""
-    if isinstance(peers, (str, bytes)) or not isinstance(peers, Iterable):
-        peers = [peers]
-    parsed: list[Device] = []
-    for spec in peers:
-        peer = as_device(spec)
-        if owner_platform is not None and peer.platform != owner_platform:
-            raise ValueError(
-                f"peer device {peer} is not on the owner's platform {owner_platform!r}"
-            )
-        if peer in parsed:
-            raise ValueError(f"peer device {peer} is given twice")
-        parsed.append(peer)
-    return parsed
-
-
-def _check_peers(peers: list[Device], device: Device, driver: VmmDriver) -> None:
-    """Each peer is distinct from ``device``, exists, and can access its memory."""
-    count = driver.device_count()
-    for peer in peers:
-        if peer.platform != device.platform:
-            raise ValueError(
-                f"peer device {peer} is not on the owner's platform {device.platform!r}"
-            )
-        if peer == device:
-            raise ValueError(f"peer device {peer} is the owner device itself")
-        if not 0 <= peer.index < count:
-            raise ValueError(
-                f"peer device {peer} is out of range: {count} {device.platform} device(s) available"
-            )
-    for peer in peers:
-        if not driver.can_access_peer(peer.index, device.index):
-            raise ValueError(
-                f"peer device {peer} cannot access memory on {device} (no peer-to-peer "
-                "support between them: cuDeviceCanAccessPeer says no)"
-            )
 
 
 def _segment_capacities(max_num_bytes: int, num_segments: Any, capacities: Any) -> list[int]:
@@ -242,9 +202,9 @@ class ExtensibleTensor(SegmentedReservation):
                 f"the segments, each starting at a multiple of {SEGMENT_ALIGNMENT} bytes, "
                 f"span {extent} bytes: that must be below 2**63 - 2 MiB = {_MAX_BYTES}"
             )
-        peers = _parse_peer_specs(peer_devices, None)
+        peers = parse_peer_specs(peer_devices, None)
         self._device, self._driver = resolve(device, driver)
-        _check_peers(peers, self._device, self._driver)
+        check_peers(peers, self._device, self._driver)
 
         self._max_num_bytes = max_num_bytes
         self._segment_capacities = capacities
@@ -363,6 +323,10 @@ class ExtensibleTensor(SegmentedReservation):
         buffer.ensure_committed_ranges(grown)
         if zero_new:
             driver, index = self._driver, self._device.index
+            # The zeroing writes the memory for seconds at a time (512 MiB): an export held
+            # meanwhile keeps it mapped should another thread free() (callers serialize, but
+            # a race must end in an error, never a signal).
+            held = self.full_view().held_export()
             try:
                 for start, end in grown:
                     driver.memset(buffer.base_ptr + start, 0, end - start, index)
@@ -372,6 +336,8 @@ class ExtensibleTensor(SegmentedReservation):
                 # consumers (a grow without zeroing records none): let them finish here.
                 attempt(error, "synchronizing after the failed zeroing", driver.synchronize, index)
                 raise
+            finally:
+                del held
             self._set_ready_event(event)
         self._committed = new_sizes
 
@@ -385,9 +351,9 @@ class ExtensibleTensor(SegmentedReservation):
         :attr:`peer_devices` is unchanged (runs granted before the failure stay readable
         by the new devices; later grows do not grant them).
         """
-        parsed = _parse_peer_specs(devices, self._device.platform)
+        parsed = parse_peer_specs(devices, self._device.platform)
         new = [peer for peer in parsed if peer not in self._peer_devices]
-        _check_peers(new, self._device, self._driver)
+        check_peers(new, self._device, self._driver)
         buffer = self._live_buffer()
         if not new:
             return

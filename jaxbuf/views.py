@@ -273,7 +273,7 @@ class BufferView:
             if copy:
                 # An export held while the bytes are read (a freed owner raises here): a
                 # free() on another thread then waits for it instead of unmapping under it.
-                held = _dlpack.new_capsule(self._legacy_payload, _dlpack.anchor_for(self.owner))
+                held = self.held_export()
                 try:
                     return _copy_capsule(self, target[0], target[1], versioned)
                 finally:
@@ -289,6 +289,13 @@ class BufferView:
         if versioned:
             payload = self._versioned_payload or self._pack_versioned()
         return _dlpack.new_capsule(payload, anchor)
+
+    def held_export(self) -> Any:
+        """An export of this view that nothing consumes (a capsule): while it is referenced
+        the owner's memory stays mapped, whatever ``free()`` another thread calls; dropping
+        it gives the export back (and releases the memory if the owner was freed meanwhile).
+        For jaxbuf's own reads and writes of the memory: ``ClosedError`` once freed."""
+        return _dlpack.new_capsule(self._legacy_payload, _dlpack.anchor_for(self.owner))
 
     def _target_device(
         self, dl_device: Any, copy: bool | None

@@ -346,6 +346,36 @@ done()
     assert run_child(body, "cpu", timeout=300) == "works"
 
 
+def test_free_racing_a_zeroing_grow_ends_in_an_error_never_a_signal():
+    """free() on one thread while another's resize_per_segment_(zero_new=True) zeroes the new
+    memory died with SIGSEGV: the grow now holds an export while it writes."""
+    body = r"""
+import threading, time
+outcomes = {"grown": 0, "refused": 0}
+for round_ in range(8):
+    buf = jaxbuf.ExtensibleTensor(1 << 30, device="cpu")
+    started = threading.Event()
+    def grow():
+        started.set()
+        for step in range(1, 9):
+            try:
+                buf.resize_per_segment_(step * 64 * MiB, zero_new=True)
+                outcomes["grown"] += 1
+            except RuntimeError:  # freed meanwhile: a ClosedError
+                outcomes["refused"] += 1
+                return
+    thread = threading.Thread(target=grow)
+    thread.start()
+    started.wait()
+    time.sleep(0.002 * round_)
+    buf.free()
+    thread.join()
+print(outcomes)
+done()
+"""
+    assert run_child(body, "cpu", timeout=300) == "works"
+
+
 def test_a_listener_calling_back_into_its_buffer_is_refused():
     """A mapping listener whose mapped() releases the buffer left it claiming 4 MiB committed
     over no memory, and the next write died with SIGSEGV: every call that would change the
