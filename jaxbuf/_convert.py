@@ -5,7 +5,9 @@ staged writes (``stage_write``'s slow path, ``StagedWrites``). :func:`convert` r
 C-contiguous 1-D numpy array of the target dtype, or raises ValueError / TypeError naming the
 first value that would change beyond a float's rounding: integers out of range; non-integral,
 NaN or infinite floats to an integer dtype (integral floats such as ``3.0`` are accepted);
-finite values that overflow a float dtype; complex, string or object values. Bools are 0 and 1.
+finite values that overflow a float dtype; complex values to a real dtype, strings, objects.
+Bools are 0 and 1. A complex target follows the float rule on each component (rounding and
+NaN accepted, a finite value overflowing refused).
 
 Below the buffers and the staged writes: imports only the framework adapters' lookup (to take
 a torch tensor or a JAX array as input).
@@ -125,6 +127,8 @@ def convert_any(values: Any, dtype: np.dtype, type_name: str) -> np.ndarray:
     others (bool, complex) through numpy's conversion, refused where it changes a value."""
     if dtype.kind in "iuf" or dtype.name == "bfloat16":
         return convert(values, dtype, type_name)
+    if dtype.kind == "c":
+        return _convert_to_complex(values, dtype, type_name)
     source = np.asarray(values).reshape(-1) if np.ndim(values) <= 1 else np.asarray(values)
     if source.ndim != 1:
         raise ValueError(f"values must be 1-D, got shape {source.shape}")
@@ -132,6 +136,27 @@ def convert_any(values: Any, dtype: np.dtype, type_name: str) -> np.ndarray:
     if not np.array_equal(converted, source):
         raise ValueError(f"values do not fit {dtype} exactly")
     return converted
+
+
+def _convert_to_complex(values: Any, dtype: np.dtype, type_name: str) -> np.ndarray:
+    """:func:`convert_any` to a complex dtype, by the float rule applied to each component:
+    rounding (complex128 to complex64) and NaN are accepted, as for float32; a finite value
+    that overflows to infinity is refused, naming it. Bool, integer, float and complex
+    inputs (numpy's same-kind casting); anything else is a TypeError."""
+    source = _to_numpy(values)
+    if source.ndim != 1:
+        raise ValueError(f"values must be 1-D, got shape {source.shape}")
+    if not (source.dtype.kind in "biufc" or source.dtype.name == "bfloat16"):
+        raise TypeError(f"values of dtype {source.dtype} cannot be written to a {type_name} tensor")
+    wide = source.astype(np.complex128) if source.dtype.kind != "c" else source
+    with np.errstate(over="ignore", invalid="ignore"):
+        result = np.ascontiguousarray(wide.astype(dtype))
+        bad = (np.isinf(result.real) & np.isfinite(wide.real)) | (
+            np.isinf(result.imag) & np.isfinite(wide.imag)
+        )
+    if bad.any():
+        raise ValueError(f"value {_first_bad(bad, source)} overflows {type_name}")
+    return result
 
 
 def convert_batch(

@@ -111,3 +111,30 @@ def test_the_short_spellings_of_frameworks_are_understood(spelling, name):
 def test_a_view_of_an_alias_dtype_reads_as_the_full_name(tensor):
     view = tensor.segment_view(0).view("fp16", (MiB // 2,))
     assert view.dtype.name == "float16" and view.to_numpy().dtype == np.float16
+
+
+def test_complex_targets_take_the_float_rule_on_each_component():
+    """complex64 refused NaN and complex128 rounding ("do not fit exactly") where float32
+    accepts both, and a complex64 pool refused complex128 input (TypeError) although it
+    documents same-kind casting: rounding and NaN are accepted, overflow refused by value."""
+    from jaxbuf._convert import convert_any
+    from jaxbuf.jax_ops import StagedWrites
+
+    wide = np.array([1 / 3 + 2j, complex(np.nan, 1), 3], np.complex128)
+    narrowed = convert_any(wide, np.dtype(np.complex64), "complex64")
+    assert narrowed.dtype == np.complex64 and np.isnan(narrowed[1].real)
+    np.testing.assert_allclose(narrowed[[0, 2]], wide[[0, 2]], rtol=1e-7)
+    assert convert_any(np.array([1, 2]), np.dtype(np.complex64), "c").tolist() == [1, 2]
+    with pytest.raises(ValueError, match=r"1e\+300.*at index 1 overflows complex64"):
+        convert_any(np.array([0, 1e300 + 0j]), np.dtype(np.complex64), "complex64")
+    with pytest.raises(TypeError, match="cannot be written to a complex64"):
+        convert_any(np.array(["a"]), np.dtype(np.complex64), "complex64")
+    StagedWrites(4, 8, "complex64").stage_write(0, 0, wide)  # accepted, as float32 would
+    pool = jaxbuf.UvaBufferPool(16, "complex64", device="cpu")
+    try:
+        view = pool.copy_to_uva(wide)
+        np.testing.assert_allclose(view.to_numpy()[[0, 2]], wide[[0, 2]], rtol=1e-7)
+        with pytest.raises(ValueError, match="overflows complex64"):
+            pool.copy_to_uva(np.array([1e300 + 0j]))
+    finally:
+        pool.close()

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import interop
 from .._checks import as_max_concurrency
-from .._convert import convert
+from .._convert import convert_any
 from .._lifetime import release_when_collected
 from .._resolve import resolve
 from ..devices import as_device
@@ -364,7 +364,7 @@ class UvaBufferPool:
         else TypeError / ValueError naming what does not fit.
 
         A min/max pre-check costs about 2 µs per 4 KiB and only runs for inputs of a wider
-        dtype; anything outside it goes to the staged writes' conversion (``convert``), the
+        dtype; anything outside it goes to the staged writes' conversion (``convert_any``), the
         one place that decides what fits (a float that rounds to the largest finite value
         does; NaN does) and names the first value that does not."""
         if castable == _REFUSED:
@@ -374,7 +374,7 @@ class UvaBufferPool:
             bounds is not None and bounds[0] <= source.min() and source.max() <= bounds[1]
         ):
             return source
-        flat = convert(source.reshape(-1), self._np_dtype, self.dtype.name)
+        flat = convert_any(source.reshape(-1), self._np_dtype, self.dtype.name)
         return flat.reshape(source.shape)
 
     def _as_source(self, x: Any) -> tuple[Any, int | None]:
