@@ -390,6 +390,11 @@ class World:
         try:
             with self._fault(fault):
                 model.obj.release_physical()
+        except KeyboardInterrupt:
+            # The cleanup is a transaction: an interrupt is the failure of the one step it
+            # cut short, the rest done; the documented outcome of a failed release follows.
+            self._after_release_physical(model, failed=True)
+            return "interrupted"
         except DOCUMENTED as error:
             if model.freed and isinstance(error, RuntimeError):
                 raise
@@ -422,6 +427,13 @@ class World:
         try:
             with self._fault(fault):
                 remapped = model.obj.defragment()
+        except KeyboardInterrupt:
+            # Drawn in the cleanup after the swap only: the span is one chunk, the bytes kept;
+            # what the interrupt cut short is retried by the next release.
+            model.dirty = True
+            if self.share.get("model") is model:
+                self.share["valid"] = False
+            return "interrupted"
         except DOCUMENTED as error:
             model.dirty = model.dirty or _is_driver_error(error)
             raise
@@ -1251,15 +1263,17 @@ def _hostile(layout: dict, mutation: str, num_fds: int) -> dict:
 
 
 class _Armed:
-    """Arms ``fault`` (``(kind, nth)`` or None) on the driver for one step, disarms after."""
+    """Arms ``fault`` (``(kind, nth)``, ``(kind, nth, "interrupt")`` or None) on the driver
+    for one step, disarms after. An interrupt fault raises ``KeyboardInterrupt`` at that call
+    (a Ctrl-C, or an exception from a signal handler, landing there)."""
 
     def __init__(self, driver, fault):
         self.driver, self.fault = driver, fault
 
     def __enter__(self):
         if self.fault is not None:
-            kind, nth = self.fault
-            self.driver.fail_on(kind, nth)
+            kind, nth, *interrupt = self.fault
+            self.driver.fail_on(kind, nth, KeyboardInterrupt() if interrupt else None)
 
     def __exit__(self, *exc_info):
         self.driver.disarm()

@@ -16,6 +16,9 @@ Invariants checked after every step (by the worker, tests/_stateful_worker.py):
   never raises or goes unraisable: it is reported once as retried, never as a leak;
 * a NonUvaBuffer whose ``np`` was rebound copies exactly what it holds, or refuses clearly;
 * free() racing an export on another thread ends in ClosedError or success;
+* a KeyboardInterrupt at an unmap, release or free_reserved of ``release_physical`` or of
+  ``defragment``'s cleanup leaves the tensor as a failed release or a completed defragment
+  would, and the driver's invariants hold (the interrupt is the failure of that one step);
 * under an address-space limit the CPU driver's quarantine never makes a reservation fail
   (ENOMEM) and holds at most a quarter of the limit;
 * the fault-injecting driver's VMM rules hold, and once every reference of an example is
@@ -74,6 +77,11 @@ faults = (
     st.none()
     | st.tuples(st.sampled_from(STATEFUL_KINDS), st.integers(1, 3))
     | st.tuples(st.sampled_from(OTHER_KINDS), st.integers(1, 2))
+)
+# A Ctrl-C (KeyboardInterrupt) at a call of a release: release_physical's unmaps and releases,
+# and defragment's cleanup after its swap (its only unmaps, releases and free_reserved calls).
+interrupts = st.tuples(
+    st.sampled_from(("unmap", "release", "free_reserved")), st.integers(1, 2), st.just("interrupt")
 )
 # The calls a release makes: drops and collections, which run the deferred releases of deleters
 # and finalizers, arm these most.
@@ -207,11 +215,11 @@ def make_machine(worker: Worker, framework: str):
         def et_free_racing(self, slot, segment, kind, fault):
             self.step("et_free_racing", slot=slot, segment=segment, kind=kind, fault=fault)
 
-        @rule(slot=tensors, fault=faults)
+        @rule(slot=tensors, fault=faults | interrupts)
         def et_release_physical(self, slot, fault):
             self.step("et_release_physical", slot=slot, fault=fault)
 
-        @rule(slot=tensors, fault=faults)
+        @rule(slot=tensors, fault=faults | interrupts)
         def et_defragment(self, slot, fault):
             self.step("et_defragment", slot=slot, fault=fault)
 
