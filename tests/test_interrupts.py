@@ -132,3 +132,25 @@ def test_an_interrupt_while_a_chunk_is_created_leaves_no_memfd_open(monkeypatch)
     tensor.resize_per_segment_(4 * MiB)  # usable
     tensor.free()
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+@pytest.mark.parametrize(
+    "kind", ["synchronize", "reserve", "create", "map", "set_access", "copy", "move_mapping"]
+)
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_an_interrupt_in_defragment_swap_rolls_back_and_leaks_nothing(kind, nth):
+    """KeyboardInterrupt at a call of defragment's first half (the new chunk, the copy, the
+    swap): the rollback puts the old chunks back, the bytes are kept, and once freed the
+    driver holds nothing."""
+    driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+    tensor = _grown(driver)
+    tensor.segment_view(0).to_numpy()[:] = 5
+    driver.fail_on(kind, nth, KeyboardInterrupt())
+    try:
+        tensor.defragment()
+    except KeyboardInterrupt:
+        pass  # some positions are past the calls this defragment makes: it completes
+    driver.disarm()
+    assert (tensor.segment_view(0).to_numpy() == 5).all()
+    tensor.free()
+    assert driver.problems() == [] and not driver.live_handles and not driver.reservations
