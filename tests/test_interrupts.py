@@ -155,3 +155,40 @@ def test_an_interrupt_in_defragment_swap_rolls_back_and_leaks_nothing(kind, nth)
     assert (tensor.segment_view(0).to_numpy() == 5).all()
     tensor.free()
     assert driver.problems() == [] and not driver.live_handles and not driver.reservations
+
+
+def test_an_endpoint_close_interrupted_in_a_peer_import_finishes_next_time(monkeypatch):
+    """Ctrl-C while an endpoint closes a same-host peer's import: the import was forgotten
+    before it was closed, so the retried close() left it mapped. It is forgotten only once
+    closed now, and the second close() finishes: no mapping, no thread, no socket left."""
+    import threading
+
+    from jaxbuf.sharing import ImportedBuffer
+    from jaxbuf.transfer import KVEndpoint, KVLayout
+
+    owner = jaxbuf.ExtensibleTensor(8 * MiB, "cpu")
+    owner.resize_per_segment_(2 * MiB)
+    mine = jaxbuf.ExtensibleTensor(8 * MiB, "cpu")
+    mine.resize_per_segment_(2 * MiB)
+    served = KVEndpoint("served", owner, KVLayout(4096))
+    endpoint = KVEndpoint("importer", mine, KVLayout(4096))
+    threads = threading.active_count()
+    peer = endpoint.connect(served.metadata())
+    imported = peer.link.imported
+    close, interrupts = ImportedBuffer.close, [KeyboardInterrupt()]
+
+    def interrupted_once(self):
+        if interrupts:
+            raise interrupts.pop()
+        close(self)
+
+    monkeypatch.setattr(ImportedBuffer, "close", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        endpoint.close()
+    assert not imported.released and not endpoint.closed
+    endpoint.close()
+    assert imported.released and endpoint.closed
+    served.close()
+    assert threading.active_count() <= threads
+    owner.free()
+    mine.free()

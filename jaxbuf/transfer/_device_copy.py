@@ -101,20 +101,22 @@ class BlockCopier:
         return slot
 
     def _free(self, slot: list[Any]) -> None:
-        host, device, slot[0], slot[1], slot[2] = slot[0], slot[1], 0, None, 0
-        try:
-            if device is not None:
-                device.release()
-        finally:
-            if host:
-                self.driver.host_free(host)
+        """Free the slot's tables, each forgotten once freed."""
+        if slot[1] is not None:
+            slot[1].release()
+            slot[1] = None
+        if slot[0]:
+            self.driver.host_free(slot[0])
+            slot[0] = 0
+        slot[2] = 0
 
     def close(self) -> None:
         """Wait for the kernels still reading a table, free the tables. Safe to call twice."""
-        slots, self._slots = self._slots, []
-        for slot in slots:
-            guard, slot[3] = slot[3], None
-            if guard is not None:
-                self.driver.event_synchronize(guard)
-                self.driver.destroy_event(guard)
+        while self._slots:  # a slot is forgotten only once freed: an interrupted close resumes
+            slot = self._slots[-1]
+            if slot[3] is not None:
+                self.driver.event_synchronize(slot[3])
+                self.driver.destroy_event(slot[3])
+                slot[3] = None
             self._free(slot)
+            self._slots.pop()

@@ -181,21 +181,24 @@ class LocalServer:
         return inbox
 
     def close(self) -> None:
-        """Stop the thread, close every connection and descriptor. Safe to call twice."""
+        """Stop the thread, close every connection and descriptor. Safe to call twice, and
+        again after an interrupt: each step is done once, and marked done only after."""
         if self._closed:
             return
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
-        self._thread.join()
+        if self._thread.is_alive():
+            with contextlib.suppress(OSError):  # the thread closed the socket pair already
+                self._wake_w.send(b"x")
+            self._thread.join()
         with contextlib.suppress(ValueError):  # detached already: the tensor was freed
             if not self.tensor.released:
                 self.tensor.remove_mapping_listener(self)
         with self._lock:
-            fds = [fd for _, _, fd in self._fds.values()]
-            self._fds.clear()
+            while self._fds:  # each descriptor forgotten once closed
+                chunk_id, (_, _, fd) = next(iter(self._fds.items()))
+                os.close(fd)
+                del self._fds[chunk_id]
             self._layout = None
-        _close_all(fds)
+        self._closed = True
 
     # -- the server thread --------------------------------------------------------------
     def _serve(self) -> None:
@@ -358,12 +361,12 @@ class LocalLink:
         _send_frame(self._sock, b"N", message)
 
     def close(self) -> None:
-        imported, self.imported = self.imported, None
-        try:
-            if imported is not None:
-                imported.close()
-        finally:
-            self._sock.close()
+        """Unmap the import, then close the connection; an interrupted close is finished by
+        the next call (the import is forgotten only once closed)."""
+        if self.imported is not None:
+            self.imported.close()
+            self.imported = None
+        self._sock.close()
 
 
 class LocalTransfer(Transfer):
