@@ -297,9 +297,7 @@ done()
     assert run_child(body, "cpu", timeout=300) == "works"
 
 
-# UvaBuffer.free() is left out: it checks for live exports before it closes (so that a failed
-# release leaves the buffer usable), and an export taken between the two is not waited for.
-@pytest.mark.parametrize("close", ["free", "import_close"])
+@pytest.mark.parametrize("close", ["free", "uva_free", "import_close"])
 def test_free_racing_a_copy_export_ends_in_an_error_never_a_signal(close):
     """A copy export reads the owner's bytes: it holds an export while it does, so a free()
     (or an import's close()) on another thread waits for it; before, 128 MiB copies racing
@@ -316,6 +314,9 @@ for _ in range(6):
     tensor.resize_per_segment_(size, zero_new=True)
     if CLOSE == "free":
         view, close = tensor.segment_view(0), tensor.free
+    elif CLOSE == "uva_free":
+        owner = jaxbuf.UvaBuffer(size, "uint8", device="cpu")
+        view, close = owner.view, owner.free
     else:
         layout, fds = export_layout(tensor)
         imported = ImportedBuffer(layout, list(fds))
@@ -336,7 +337,7 @@ for _ in range(6):
     started.wait()
     close()
     thread.join()
-    if CLOSE == "import_close":
+    if CLOSE != "free":
         tensor.free()
 print(outcomes)
 done()

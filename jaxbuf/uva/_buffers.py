@@ -340,15 +340,18 @@ class UvaBuffer(_BufferBase):
             return
         self._drop_arrays()
         self.np = np.empty((0, *self.shape[1:]), self.dtype.numpy)  # np is an export too
-        if not lifetime.live_exports:
-            # Released while the buffer is still open: a driver failure leaves it usable.
-            try:
-                _release_now(self._allocation, self.device, quiesce)
-            except BaseException:
-                self.np = self._host_view.to_numpy()
-                raise
-        # Released, or held by the exports until the last one goes (the block's __del__).
-        lifetime.close(_nothing)
+        allocation, device = self._allocation, self.device
+        try:
+            # One atomic step: an export taken on another thread before it holds the memory
+            # (released by the last export, the block's __del__), one after it is refused;
+            # checking for exports first, then closing, let one slip in between.
+            lifetime.close(lambda memory: _release_now(memory, device, quiesce))
+        except BaseException:
+            # The release failed, with no export alive: the buffer stays usable, over a new
+            # lifetime of the same memory.
+            self._lifetime = self._owner._lifetime = Lifetime(allocation)
+            self.np = self._host_view.to_numpy()
+            raise
         self._allocation = None
 
 
