@@ -40,6 +40,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from jaxbuf._errors import Cleanup
 from jaxbuf.bench._ucx_log import UcxLog, describe_nixl
 
 __all__ = ["TwoProcesses", "serve"]
@@ -363,16 +364,11 @@ class _Side:
     def teardown(self) -> None:
         """Release what :meth:`setup` and :meth:`connect` made, newest first; raise the first
         failure after trying every step."""
-        failures = []
+        cleanup = Cleanup("the transfer bench's teardown")
         while self._cleanup:
-            step = self._cleanup.pop()
-            try:
-                step()
-            except Exception as error:  # noqa: BLE001 - reported after the other steps ran
-                failures.append(error)
+            cleanup.run(self._cleanup.pop())
         self.plain = self.floor_target = None
-        if failures:
-            raise failures[0]
+        cleanup.raise_first()
 
 
 def _nixl_endpoint(endpoint_type: Any, agent: Any, tensor: Any, layout: Any) -> Any:

@@ -68,6 +68,7 @@ class Peer:
         self.link: LocalLink | None = None
         self.segments: tuple[int, ...] = ()
         self.segment_starts: list[int] = []
+        self.aligned = False  # every same-host block 8-byte aligned on both sides
 
     @property
     def transport(self) -> str:
@@ -252,6 +253,10 @@ class KVEndpoint:
             peer.segment_starts = [
                 imported.base_ptr + imported.segment_offsets[s] for s in peer.segments
             ]
+            # Whether every block on both sides is 8-byte aligned (the copy kernel's int64
+            # moves): known once here, so a transfer checks no address.
+            starts = (*self.segment_starts, *peer.segment_starts, self.layout.block_bytes)
+            peer.aligned = not any(start % 8 for start in starts)
             self.peers[peer.name] = peer
             return peer
         if self.agent is None:
@@ -399,13 +404,6 @@ class KVEndpoint:
         if transfer.error is not None:
             transfer.wait(0.0)  # raises TransferError naming the blocks
         return transfer
-
-    def aligned_with(self, peer: Peer) -> bool:
-        """Whether every block of a same-host transfer with ``peer`` starts and ends on the
-        block-copy kernel's alignment on both sides (blocks and segment starts are)."""
-        alignment = 8
-        starts = (*self.segment_starts, *peer.segment_starts, self.layout.block_bytes)
-        return not any(start % alignment for start in starts)
 
     def _peer(self, peer: Peer | str) -> Peer:
         name = peer.name if isinstance(peer, Peer) else peer

@@ -45,6 +45,7 @@ import numpy as np
 
 from jaxbuf.sharing import ImportedBuffer, export_layout, peer_credentials, recv_layout
 from jaxbuf.sharing._wire import _close_all, send_layout
+from jaxbuf.sharing._wire import _recv_exact as _recv_socket_exact
 from jaxbuf.transfer._transfer import Transfer
 
 __all__ = ["LocalLink", "LocalServer", "LocalTransfer", "host_identity"]
@@ -76,14 +77,12 @@ def _send_frame(sock: socket.socket, kind: bytes, payload: bytes = b"") -> None:
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    parts, left = [], size
-    while left:
-        part = sock.recv(left)
-        if not part:
-            raise ConnectionError("the peer closed the same-host connection")
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
+    """``size`` bytes from ``sock``, within the socket's own timeout."""
+    return _recv_socket_exact(sock, size, _no_deadline)
+
+
+def _no_deadline() -> None:
+    """The socket's timeout (:data:`SERVE_TIMEOUT`) bounds each read: nothing to arm."""
 
 
 class _Client:
@@ -370,31 +369,29 @@ class LocalLink:
 
 
 class LocalTransfer(Transfer):
-    """One copy posted on the same-host transport. On the CPU it is done when posted; on
-    CUDA :meth:`settle` polls the event recorded after the copies."""
+    """One copy posted on the same-host transport. On the CPU it is done when posted (no
+    event); on CUDA :meth:`settle` waits for the event recorded after the copies."""
 
-    def __init__(
-        self, driver: Any, event: Any, request: tuple, registration: Any, error: str | None
-    ) -> None:
+    def __init__(self, driver: Any, event: Any, request: tuple, registration: Any) -> None:
         self._driver, self._event = driver, event
         self._request = request
         self._registration = registration
-        self.error = error
+        self.error = None
         self.finished = event is None
         if not self.finished:
             registration.track(self)
 
-    def _finish(self, error: str | None) -> None:
-        self.finished, self.error = True, error
-        self._registration.untrack(self)
-        event, self._event = self._event, None
-        self._driver.destroy_event(event)
+    def _release(self) -> None:
+        if self._event is not None:
+            self._driver.destroy_event(self._event)
+            self._event = None
 
     def settle(self, timeout: float) -> bool:
         if self.finished:
             return True
         if timeout > 0:
-            # Block in the driver rather than spin: the copy is on the device's queue.
+            # Block in the driver rather than spin: the copy is on the device's queue, and a
+            # device copy always completes (the timeout bounds NIXL's transfers, not these).
             try:
                 self._driver.event_synchronize(self._event)
             except Exception as error:  # noqa: BLE001 - the transfer's failure, for wait()

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxbuf.transfer._blocks import bounds
 from jaxbuf.transfer._local import LocalLink, LocalTransfer, copy_triples, host_identity
-from jaxbuf.transfer._transfer import TransferError
+from jaxbuf.transfer._transfer import TransferError, request_words
 from jaxbuf.transfer._wire import RemoteLayout
 
 __all__ = ["link_peer", "post_local"]
@@ -105,13 +105,11 @@ def post_local(
     )
     dsts, srcs = (there, here) if operation == "WRITE" else (here, there)
     request = (operation, local, peer.name, remote)
-    driver = tensor.driver
     try:
-        event = endpoint.copier.copy(dsts, srcs, sizes, aligned=endpoint.aligned_with(peer))
-    except Exception as error:
-        failed = LocalTransfer(driver, None, request, endpoint.registration, None)
-        raise TransferError(f"{failed.what} failed: {error}") from error
-    transfer = LocalTransfer(driver, event, request, endpoint.registration, None)
+        event = endpoint.copier.copy(dsts, srcs, sizes, aligned=peer.aligned)
+    except Exception as error:  # a driver failure of the copy, named with the request
+        raise TransferError(f"{request_words(request)} failed: {error}") from error
+    transfer = LocalTransfer(tensor.driver, event, request, endpoint.registration)
     if notification:
         transfer.wait()
         peer.link.notify(notification)

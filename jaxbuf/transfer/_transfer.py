@@ -14,13 +14,19 @@ if TYPE_CHECKING:
     from jaxbuf.transfer._nixl import Agent
     from jaxbuf.transfer._registration import Registration
 
-__all__ = ["DEFAULT_TIMEOUT", "Transfer", "TransferError"]
+__all__ = ["DEFAULT_TIMEOUT", "Transfer", "TransferError", "request_words"]
 
 DEFAULT_TIMEOUT = 60.0
 """Seconds :meth:`Transfer.wait` waits by default."""
 # Poll without sleeping this long: small transfers finish in microseconds, and a sleep costs
 # a scheduler round trip (tens of microseconds, far more on a loaded machine).
 _SPIN_SECONDS = 2e-3
+
+
+def request_words(request: tuple[str, np.ndarray, str, np.ndarray]) -> str:
+    """``(operation, local blocks, peer name, remote blocks)`` in words, for messages."""
+    operation, local, peer, remote = request
+    return f"{operation} of {describe(local)} <-> {peer}:{describe(remote)}"
 
 
 class TransferError(RuntimeError):
@@ -57,17 +63,23 @@ class Transfer:
     @property
     def what(self) -> str:
         """The request in words: ``WRITE of blocks [0, 1] <-> peer:blocks [4, 5]``."""
-        operation, local, peer, remote = self._request
-        return f"{operation} of {describe(local)} <-> {peer}:{describe(remote)}"
+        return request_words(self._request)
 
     def __repr__(self) -> str:
         return f"Transfer({self.what})"
 
     def _finish(self, error: str | None) -> None:
+        """Record the outcome, release what the transport holds for the transfer, then
+        forget it: an interrupted release is retried by the next settle."""
+        self._release()
         self.finished, self.error = True, error
         self._registration.untrack(self)
-        handle, self._handle = self._handle, None
-        self._agent.release_transfer(handle)
+
+    def _release(self) -> None:
+        """Give back the transport's handle of the finished transfer (once)."""
+        if self._handle is not None:
+            self._agent.release_transfer(self._handle)
+            self._handle = None
 
     def settle(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the transfer to finish (done or failed);
