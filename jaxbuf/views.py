@@ -28,6 +28,9 @@ from .dtypes import DType, DTypeLike, canonical_dtype, uint8
 
 _HOST_DEVICE_TYPES = (K_DL_CPU, K_DL_CUDA_HOST, K_DL_ROCM_HOST)
 _STREAM_DEVICE_TYPES = (K_DL_CUDA, K_DL_CUDA_HOST, K_DL_ROCM, K_DL_ROCM_HOST)
+#: The stream ``stream=None`` names (the array API): CUDA's legacy default stream is 1 in
+#: DLPack's numbering, ROCm's default stream 0. jaxbuf's own copies run on it too.
+_DEFAULT_STREAM = {K_DL_CUDA: 1, K_DL_CUDA_HOST: 1, K_DL_ROCM: 0, K_DL_ROCM_HOST: 0}
 
 
 class _NumpyHolder:
@@ -56,6 +59,16 @@ def _check_pair(value: Any, name: str) -> None:
     )
     if not ints or len(value) != 2:
         raise TypeError(f"{name} must be None or a tuple of two ints, got {value!r}")
+
+
+def _order_after_owner(view: BufferView, stream: int | None) -> None:
+    """Make ``stream`` (a DLPack stream number; None: a host view, nothing to order) wait for
+    the owner's pending producer work (its ``ready_event``; an owner without one has none)."""
+    if stream is None:
+        return
+    event = getattr(view.owner, "ready_event", None)
+    if event is not None:
+        view.owner.driver.stream_wait_event(stream, event, view.device.index)
 
 
 def _wait_for_producer(owner: Any) -> None:
@@ -97,6 +110,9 @@ def _copy_capsule(view: BufferView, device_type: int, device_id: int, versioned:
     if nbytes:
         driver = getattr(view.owner, "driver", None) or _driver_of(view.device)
         index = view.device.index
+        # The copy runs on the default stream: order it after the owner's pending writes,
+        # which may sit on a non-blocking stream (torch's) the default stream does not wait for.
+        _order_after_owner(view, _DEFAULT_STREAM.get(view.dlpack_device_type))
         runs = _readable_runs(view, nbytes)
         whole = runs == [(view.ptr, view.ptr + nbytes)]
         if device_type == K_DL_CPU:
@@ -249,8 +265,9 @@ class BufferView:
         more; otherwise a legacy ``dltensor`` capsule (what JAX asks for). The capsule keeps
         the owner's memory alive (``owner.export_anchor``) until the consumer's array is gone.
         On CUDA, ``stream`` is the consumer's stream: it is made to wait for the owner's
-        pending writes; ``-1`` means no synchronisation, ``None`` the legacy default stream
-        (which jaxbuf's own work runs on).
+        pending writes; ``-1`` means no synchronisation, ``None`` the device's default stream
+        (CUDA's legacy default stream, as the standard defines it), ordered the same way. A
+        copy (``copy=True``, or to the host) is ordered after those writes too.
 
         ``copy=True`` returns a capsule over a copy the capsule owns; ``dl_device`` may name
         the view's own device or, for any view, the host ``(kDLCPU, 0)``: a CUDA view is then
@@ -280,7 +297,10 @@ class BufferView:
                     del held  # unconsumed: its destructor gives the export back
             device_type = target[0]
         anchor = _dlpack.anchor_for(self.owner)
-        if stream is not None and stream != -1:
+        if stream is None:  # the standard's default stream of the device (CUDA: legacy)
+            if device_type in _STREAM_DEVICE_TYPES:
+                _order_after_owner(self, _DEFAULT_STREAM[device_type])
+        elif stream != -1:
             self._wait_on_stream(stream, device_type)
         if device_type != self.dlpack_device_type:  # pinned memory exported to the host
             return _dlpack.new_capsule(self._pack(versioned, device_type), anchor)
@@ -336,20 +356,12 @@ class BufferView:
                 "stream 0 is ambiguous on CUDA (the array API disallows it): "
                 "pass 1 for the legacy default stream, 2 for per-thread"
             )
-        self._order_stream(stream)
+        _order_after_owner(self, stream)
 
     def _pack_versioned(self) -> _dlpack.Payload:
         """The versioned payload, packed on first use and kept."""
         payload = self._versioned_payload = self._pack(versioned=True)
         return payload
-
-    def _order_stream(self, stream: int) -> None:
-        """Make the consumer's ``stream`` wait for the owner's pending producer work (the
-        owner's ``ready_event``; an owner outside the contract, or None, has none)."""
-        owner = self.owner
-        event = getattr(owner, "ready_event", None)
-        if event is not None:
-            owner.driver.stream_wait_event(stream, event, self.device.index)
 
     def _pack(
         self, versioned: bool, device_type: int | None = None, device_id: int | None = None
@@ -391,6 +403,8 @@ class BufferView:
         if self.dlpack_device_type == K_DL_CPU and not bfloat16:
             payload = self._versioned_payload or self._pack_versioned()
         else:
+            if self.dlpack_device_type != K_DL_CPU:  # pinned: the host reads after the device
+                _wait_for_producer(self.owner)
             host = self.view("uint16", self.shape) if bfloat16 else self
             payload = host._pack(True, K_DL_CPU)
         array = np.from_dlpack(_NumpyHolder(_dlpack.new_capsule(payload, anchor)))

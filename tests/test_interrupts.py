@@ -192,3 +192,61 @@ def test_an_endpoint_close_interrupted_in_a_peer_import_finishes_next_time(monke
     assert threading.active_count() <= threads
     owner.free()
     mine.free()
+
+
+# -- every release path, interrupted at each of its driver calls -----------------------------
+def _staged(driver, uva):
+    swt = jaxbuf.StagedWriteTensor(
+        (4, 8), "int32", "cpu", uva_instead_of_gpu=uva, backend="numpy", driver=driver
+    )
+    swt.stage_write(1, 0, [1, 2, 3])
+    swt.apply_write()  # the writer and its pinned slot exist: free() releases them too
+    return swt
+
+
+def _writer(driver):
+    swt = jaxbuf.StagedWriteTensor((4, 8), "int32", "cpu", backend="numpy", driver=driver)
+    writer = jaxbuf.FusedStagedWriter(16, "cpu", 2, backend="numpy", driver=driver)
+    swt.stage_write(0, 0, [7])
+    writer.apply((swt,))
+    swt.free()
+    return writer
+
+
+def _pool(driver):
+    pool = jaxbuf.UvaBufferPool(64, "int32", 3, "cpu", driver=driver)
+    for _ in range(3):
+        pool.copy_to_uva(list(range(10)))
+    return pool
+
+
+_OWNERS = {
+    "ExtensibleTensor": _grown,
+    "StagedWriteTensor": lambda driver: _staged(driver, uva=False),
+    "StagedWriteTensor-uva": lambda driver: _staged(driver, uva=True),
+    "FusedStagedWriter": _writer,
+    "UvaBufferPool": _pool,
+    "UvaBuffer": lambda driver: jaxbuf.UvaBuffer(4096, "uint8", "cpu", driver=driver),
+}
+
+
+@pytest.mark.parametrize("name", list(_OWNERS))
+def test_an_interrupt_at_any_call_of_free_releases_everything_once(name):
+    """KeyboardInterrupt at each driver call ``free()`` makes, in turn: it reaches the caller,
+    nothing is released twice, and the next ``free()`` releases everything that is left."""
+    make = _OWNERS[name]
+    probe = FaultInjectingDriver(get_vmm_driver("cpu"), simulate_events=True)
+    calls = probe.count_calls(make(probe).free)
+    assert calls > 0
+    for nth in range(calls):
+        driver = FaultInjectingDriver(get_vmm_driver("cpu"), simulate_events=True)
+        owner = make(driver)
+        driver.fail_at(driver.call_count + nth, KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            owner.free()
+        owner.free()  # finishes what the interrupt cut short
+        owner.free()  # and is idempotent after that
+        assert driver.problems() == [], f"interrupt at call {nth} of {calls}"
+        driver.assert_clean()  # before the owner is collected: free() itself released it all
+        assert not driver.live_events, f"interrupt at call {nth}: events leaked"
+        assert driver.faults_injected == 1
