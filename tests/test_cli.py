@@ -646,14 +646,14 @@ def test_the_ratio_column_says_its_direction():
 def captured_figures(monkeypatch):
     """The figures the plotters save, kept open for the test to inspect."""
     pytest.importorskip("matplotlib")
-    from jaxbuf.cli import _bench
+    from jaxbuf.cli import _plots
 
     figures: list = []
 
     def keep(plt, figure, path, note=""):
         figures.append((figure, note))
 
-    monkeypatch.setattr(_bench, "_save", keep)
+    monkeypatch.setattr(_plots, "_save", keep)
     yield figures
     import matplotlib.pyplot as plt
 
@@ -671,7 +671,7 @@ def _growth_rows(committed_sizes):
 
 
 def test_a_plot_of_one_size_draws_bars_and_of_several_lines(captured_figures, tmp_path):
-    from jaxbuf.cli._bench import _plot_growth, _plot_staged
+    from jaxbuf.cli._plots import _plot_growth, _plot_staged
 
     assert _plot_growth(_growth_rows([8 << 20]), tmp_path / "g.png", "cpu")
     assert _plot_growth(_growth_rows([8 << 20, 32 << 20]), tmp_path / "g.png", "cpu")
@@ -705,7 +705,7 @@ def test_a_plot_of_one_size_draws_bars_and_of_several_lines(captured_figures, tm
 
 
 def test_the_decode_plot_draws_and_explains_the_granule_floor(captured_figures, tmp_path):
-    from jaxbuf.cli._bench import _plot_decode
+    from jaxbuf.cli._plots import _plot_decode
 
     series = {"step_s": [1e-3, 1e-3], "held_bytes": [2 << 20, 2 << 20]}
     params = {
@@ -726,7 +726,7 @@ def test_the_decode_plot_draws_and_explains_the_granule_floor(captured_figures, 
 
 
 def test_the_readme_names_every_file_the_bench_command_writes():
-    from jaxbuf.cli._bench import _PLOTTERS
+    from jaxbuf.cli._plots import _PLOTTERS
 
     readme = " ".join((REPO / "README.md").read_text().split())
     assert "results/bench-<device>.json" in readme

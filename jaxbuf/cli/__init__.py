@@ -27,7 +27,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import _bench, _demo, _info
+from . import _bench, _demo, _info, _plots
 from ._demo import decode_steps
 from ._shared import CliError
 
@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
         "--plot",
         metavar="PATH",
         nargs="?",
-        const=_bench.PLOT_DEFAULT,
+        const=_plots.PLOT_DEFAULT,
         help="also write PNGs: growth cost against committed size, and the decode loop's "
         "memory and step time (default paths: results/growth-<device>.png, "
         "results/decode-<device>.png; with PATH, the first goes there and the other beside "
