@@ -70,10 +70,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         nargs="?",
         const=_plots.PLOT_DEFAULT,
-        help="also write PNGs: growth cost against committed size, and the decode loop's "
-        "memory and step time (default paths: results/growth-<device>.png, "
-        "results/decode-<device>.png; with PATH, the first goes there and the other beside "
-        "it as <stem>-decode.png)",
+        help="also write up to three PNGs, one for each of these suites that ran: growth cost "
+        "against committed size (extensible.growth), the decode loop's memory and step time "
+        "(jax.decode), the staged apply per write pattern (staged.patterns; rows timed under "
+        "Triton's interpreter are not drawn). Default paths: results/growth-<device>.png, "
+        "results/decode-<device>.png, results/staged-<device>.png; with PATH, the first "
+        "goes there and each other beside it as <stem>-<kind>.png",
     )
     bench.add_argument(
         "--only",
