@@ -305,7 +305,7 @@ def decode_result(profiles=("short", "long")) -> list[dict]:
 
 def test_plot_decode_draws_each_profile(tmp_path):
     pytest.importorskip("matplotlib")
-    from jaxbuf.cli._bench import _plot_decode
+    from jaxbuf.cli._plots import _plot_decode
 
     path = tmp_path / "sub" / "decode.png"
     assert _plot_decode(decode_result(), path, as_device("cpu")) is True
@@ -315,9 +315,9 @@ def test_plot_decode_draws_each_profile(tmp_path):
 
 
 def test_plot_paths():
-    from jaxbuf.cli._bench import PLOT_DEFAULT, _plot_paths
+    from jaxbuf.cli._plots import PLOT_DEFAULT, _plot_paths
 
-    cpu = as_device("cpu")
+    cpu = "cpu"
     assert _plot_paths(PLOT_DEFAULT, cpu, ["growth", "decode"]) == {
         "growth": Path("results/growth-cpu.png"),
         "decode": Path("results/decode-cpu.png"),

@@ -641,19 +641,19 @@ def test_the_ratio_column_says_its_direction():
     assert cells[4] == "3x" and cells[6] == "Triton interpreter; n"
 
 
-# -- plots: one size as bars, the granule floor drawn and explained ---------------------------
+# -- plots: jaxbuf on top, legends outside, sizes in binary units, no interpreter figures ----
 @pytest.fixture
 def captured_figures(monkeypatch):
     """The figures the plotters save, kept open for the test to inspect."""
     pytest.importorskip("matplotlib")
-    from jaxbuf.cli import _bench
+    from jaxbuf.cli import _plots
 
     figures: list = []
 
     def keep(plt, figure, path, note=""):
         figures.append((figure, note))
 
-    monkeypatch.setattr(_bench, "_save", keep)
+    monkeypatch.setattr(_plots, "_save", keep)
     yield figures
     import matplotlib.pyplot as plt
 
@@ -661,72 +661,173 @@ def captured_figures(monkeypatch):
         plt.close(figure)
 
 
-def _growth_rows(committed_sizes):
+def _growth_rows(committed_sizes, step=2 << 20):
     rows = []
     for committed in committed_sizes:
-        params = {"committed_bytes": committed, "step_bytes": 2 << 20, "baseline_kind": "floor"}
-        row = Row(f"+2 MiB onto {committed}", 1e-5, "floor", 9e-6, params=params)
-        rows.append(row.to_json())
+        for kind, baseline_s in (("floor", 9e-6), ("torch", 1e-3)):
+            params = {"committed_bytes": committed, "step_bytes": step, "baseline_kind": kind}
+            rows.append(Row("grow", 1e-5, kind, baseline_s, params=params).to_json())
     return [{"name": "extensible.growth", "rows": rows}]
 
 
-def test_a_plot_of_one_size_draws_bars_and_of_several_lines(captured_figures, tmp_path):
-    from jaxbuf.cli._bench import _plot_growth, _plot_staged
+def _decode_rows(steps=64, held=None, granule=2 << 20):
+    """One jax.decode profile shaped as the suite writes it: jaxbuf's cache holding what the
+    tokens need (the line the plot must not hide), step times with a few slow steps."""
+    needed = [(1 + i // 16) << 20 for i in range(steps)]
+    held = held or [n + (1 << 20) for n in needed]
+    step_s = [1e-3 * (3 if i % 20 == 7 else 1) for i in range(steps)]
+    series = {
+        "jaxbuf": {"step_s": step_s, "held_bytes": held},
+        "preallocated": {"step_s": step_s[::-1], "held_bytes": [8 << 20] * steps},
+        "realloc": {"step_s": step_s, "held_bytes": held},
+    }
+    params = {
+        "kind": "decode-step",
+        "profile": "long",
+        "granule_bytes": granule,
+        "needed_bytes": needed,
+        "series": series,
+    }
+    return [{"name": "jax.decode", "rows": [Row("d", 1e-3, params=params).to_json()]}]
+
+
+def _staged_rows(sizes=(256, 4096), interpreter=False):
+    rows = []
+    for writes in sizes:
+        for pattern in ("own row", "random"):
+            for timing in ("host", "end to end"):
+                for kind, baseline_s in (("seed", 5e-4), ("index_put", 2e-4)):
+                    params = {
+                        "kind": "pattern-apply",
+                        "timing": timing,
+                        "pattern": pattern,
+                        "num_writes": writes,
+                        "baseline_kind": kind,
+                    }
+                    row = Row(
+                        "apply", 3e-5, kind, baseline_s, interpreter=interpreter, params=params
+                    )
+                    rows.append(row.to_json())
+    return [{"name": "staged.patterns", "rows": rows}]
+
+
+def _every_plot(captured_figures, tmp_path):
+    from jaxbuf.cli._plots import _plot_decode, _plot_growth, _plot_staged
+
+    assert _plot_growth(_growth_rows([16 << 20, 64 << 20, 1 << 30]), tmp_path / "g.png", "cpu")
+    assert _plot_decode(_decode_rows(), tmp_path / "d.png", "cpu")
+    assert _plot_staged(_staged_rows(), tmp_path / "s.png", "cpu")
+    return [figure for figure, _ in captured_figures]
+
+
+def _colour(artist):
+    """The hex colour of a patch (a bar) or of a collection's first point."""
+    from matplotlib.colors import to_hex
+
+    colour = artist.get_facecolor()
+    return to_hex(colour if artist in getattr(artist.axes, "patches", ()) else colour[0])
+
+
+def test_jaxbuf_is_drawn_on_top_and_apart_in_every_plot(captured_figures, tmp_path):
+    from jaxbuf.cli._plots import JAXBUF_COLOUR
+
+    for figure in _every_plot(captured_figures, tmp_path):
+        for axis in figure.axes:
+            lines = axis.get_lines()
+            mine = [line for line in lines if line.get_label().startswith("jaxbuf")]
+            others = [line for line in lines if not line.get_label().startswith("jaxbuf")]
+            assert mine, axis.get_title()
+            theirs = others + [c for c in axis.collections if _colour(c) != JAXBUF_COLOUR]
+            top = min(line.get_zorder() for line in mine)
+            assert all(artist.get_zorder() < top for artist in theirs), axis.get_title()
+            for line in mine:
+                assert line.get_color() == JAXBUF_COLOUR
+                assert line.get_linewidth() > max(o.get_linewidth() for o in others)
+            assert all(o.get_color() != JAXBUF_COLOUR for o in others), axis.get_title()
+
+
+def test_legends_sit_outside_the_data(captured_figures, tmp_path):
+    for figure in _every_plot(captured_figures, tmp_path):
+        figure.canvas.draw()
+        legends = [axis.get_legend() for axis in figure.axes if axis.get_legend()]
+        assert legends
+        for legend in legends:
+            box = legend.get_window_extent()
+            for axis in figure.axes:
+                assert not box.overlaps(axis.get_window_extent()), axis.get_title()
+
+
+def test_sizes_are_labelled_in_binary_units(captured_figures, tmp_path):
+    growth, decode, _ = _every_plot(captured_figures, tmp_path)
+    for figure in (growth, decode):
+        figure.canvas.draw()
+    labels = [t.get_text() for t in growth.axes[0].get_xticklabels()]
+    assert labels == ["16 MiB", "64 MiB", "1 GiB"]
+    memory = decode.axes[0]
+    labels = [t.get_text() for t in memory.get_yticklabels() if t.get_text()]
+    assert len(labels) >= 3 and "4 MiB" in labels
+    assert all(re.fullmatch(r"\d+(\.\d)? (B|KiB|MiB|GiB)", label) for label in labels), labels
+
+
+def test_step_time_is_a_rolling_median_with_the_slowest_steps_marked(captured_figures, tmp_path):
+    from jaxbuf.cli._plots import SLOWEST_MARKED, _rolling_median
+
+    assert _rolling_median([1, 9, 1, 1, 9, 9, 9], 3) == [5, 1, 1, 1, 9, 9, 9]
+    _, decode, _ = _every_plot(captured_figures, tmp_path)
+    time_axis = decode.axes[1]
+    (jaxbuf,) = [line for line in time_axis.get_lines() if line.get_label().startswith("jaxbuf")]
+    assert max(jaxbuf.get_ydata()) == pytest.approx(1.0)  # ms: the 3 ms steps smoothed away
+    marked = [c.get_offsets() for c in time_axis.collections]
+    assert len(marked) == 3 and all(len(points) == SLOWEST_MARKED for points in marked)
+    slow_steps = {7, 27, 47}  # jaxbuf's 3 ms steps
+    assert slow_steps <= {int(x) for x, _ in marked[0]}
+
+
+def test_a_plot_of_one_size_draws_bars(captured_figures, tmp_path):
+    from jaxbuf.cli._plots import JAXBUF_COLOUR, JAXBUF_ZORDER, _plot_growth, _plot_staged
 
     assert _plot_growth(_growth_rows([8 << 20]), tmp_path / "g.png", "cpu")
-    assert _plot_growth(_growth_rows([8 << 20, 32 << 20]), tmp_path / "g.png", "cpu")
-    one, several = (figure.axes[0] for figure, _ in captured_figures)
-    assert len(one.patches) == 2 and not one.lines  # jaxbuf and the floor, as bars
+    (one,) = captured_figures[0][0].axes
+    assert len(one.patches) == 3 and not one.lines  # jaxbuf, the floor and torch, as bars
     assert "onto 8 MiB" in one.get_title()
-    assert not several.patches and len(several.lines) == 2
+    (bar,) = [p for p in one.patches if _colour(p) == JAXBUF_COLOUR]
+    assert bar.get_zorder() == JAXBUF_ZORDER
+    assert _plot_staged(_staged_rows(sizes=(256,)), tmp_path / "s.png", "cuda:0")
+    assert all(len(line.get_xdata()) == 1 for line in captured_figures[1][0].axes[0].lines)
 
-    rows = [
-        Row(
-            "apply",
-            1.0,
-            "seed",
-            0.5,
-            interpreter=True,
-            params={
-                "kind": "pattern-apply",
-                "timing": "host",
-                "pattern": pattern,
-                "num_writes": 256,
-                "baseline_kind": "seed",
-            },
-        ).to_json()
-        for pattern in ("own row", "random")
-    ]
-    assert _plot_staged([{"name": "staged.patterns", "rows": rows}], tmp_path / "s.png", "cpu")
-    figure, note = captured_figures[-1]
-    (axis,) = figure.axes
-    assert len(axis.patches) == 4 and not axis.lines  # 2 patterns x (jaxbuf, seed-style)
-    assert "Triton interpreter" in axis.get_title() and "interpreter" in note
+
+def test_interpreter_figures_are_not_plotted(captured_figures, tmp_path, capsys):
+    from jaxbuf.cli._plots import PLOT_DEFAULT, _plot_staged, write_plots
+
+    interpreted = _staged_rows(sizes=(256,), interpreter=True)
+    assert not _plot_staged(interpreted, tmp_path / "s.png", "cpu")
+    written = write_plots(
+        interpreted + _growth_rows([8 << 20, 32 << 20]), PLOT_DEFAULT, "cpu", "cpu"
+    )
+    assert written == [Path("results/growth-cpu.png")] and len(captured_figures) == 1
+    assert "staged.patterns not plotted" in capsys.readouterr().err
 
 
 def test_the_decode_plot_draws_and_explains_the_granule_floor(captured_figures, tmp_path):
-    from jaxbuf.cli._bench import _plot_decode
+    from jaxbuf.cli._plots import _plot_decode
 
-    series = {"step_s": [1e-3, 1e-3], "held_bytes": [2 << 20, 2 << 20]}
-    params = {
-        "kind": "decode-step",
-        "profile": "short",
-        "granule_bytes": 2 << 20,
-        "needed_bytes": [1 << 19, 1 << 19],
-        "series": {"jaxbuf": series, "preallocated": {**series, "held_bytes": [1 << 19] * 2}},
-    }
-    result = [{"name": "jax.decode", "rows": [Row("d", 1e-3, params=params).to_json()]}]
-    assert _plot_decode(result, tmp_path / "d.png", "cpu")
+    # jaxbuf's cache sits on the granule: the floor is drawn and the note says why.
+    assert _plot_decode(_decode_rows(held=[2 << 20] * 64), tmp_path / "d.png", "cpu")
     figure, note = captured_figures[0]
     memory = figure.axes[0]
-    floors = [line for line in memory.lines if line.get_label().startswith("granule floor")]
-    assert len(floors) == 1 and floors[0].get_ydata()[0] == pytest.approx(2.0)  # MiB
+    floors = [line for line in memory.lines if line.get_label().startswith("granule")]
+    assert len(floors) == 1 and floors[0].get_ydata()[0] == 2 << 20
     assert "2 MiB" in floors[0].get_label()
     assert "commits whole granules" in note and "at least one granule" in note
+    # Above the granule it is no floor of jaxbuf's: neither drawn nor explained.
+    assert _plot_decode(_decode_rows(granule=512 << 10), tmp_path / "d.png", "cpu")
+    figure, note = captured_figures[1]
+    assert not [line for line in figure.axes[0].lines if line.get_label().startswith("granule")]
+    assert "granule" not in note
 
 
 def test_the_readme_names_every_file_the_bench_command_writes():
-    from jaxbuf.cli._bench import _PLOTTERS
+    from jaxbuf.cli._plots import _PLOTTERS
 
     readme = " ".join((REPO / "README.md").read_text().split())
     assert "results/bench-<device>.json" in readme

@@ -27,7 +27,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import _bench, _demo, _info
+from . import _bench, _demo, _info, _plots
 from ._demo import decode_steps
 from ._shared import CliError
 
@@ -69,11 +69,13 @@ def _parser() -> argparse.ArgumentParser:
         "--plot",
         metavar="PATH",
         nargs="?",
-        const=_bench.PLOT_DEFAULT,
-        help="also write PNGs: growth cost against committed size, and the decode loop's "
-        "memory and step time (default paths: results/growth-<device>.png, "
-        "results/decode-<device>.png; with PATH, the first goes there and the other beside "
-        "it as <stem>-decode.png)",
+        const=_plots.PLOT_DEFAULT,
+        help="also write up to three PNGs, one for each of these suites that ran: growth cost "
+        "against committed size (extensible.growth), the decode loop's memory and step time "
+        "(jax.decode), the staged apply per write pattern (staged.patterns; rows timed under "
+        "Triton's interpreter are not drawn). Default paths: results/growth-<device>.png, "
+        "results/decode-<device>.png, results/staged-<device>.png; with PATH, the first "
+        "goes there and each other beside it as <stem>-<kind>.png",
     )
     bench.add_argument(
         "--only",

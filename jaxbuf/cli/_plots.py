@@ -1,0 +1,581 @@
+"""The PNGs of ``jaxbuf bench --plot``: growth cost against committed size
+(``extensible.growth``), the decode loop's memory and step time (``jax.decode``) and the staged
+apply's time against writes per pattern (``staged.patterns``), drawn from the rows of a run's
+JSON result (what the suites emit, on any device).
+
+Every plot draws jaxbuf the same way (:data:`JAXBUF_STYLE`: a colour no baseline uses, a
+heavier line, above every other artist), keeps its legends outside the data, labels sizes in
+binary units (``16 MiB``, never ``2^-6 GiB``), and leaves out rows timed under Triton's
+interpreter: they time the interpreter, not jaxbuf (the table and the JSON keep them).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+#: ``--plot`` given without a path: write ``results/growth-<device>.png``,
+#: ``results/decode-<device>.png`` and ``results/staged-<device>.png`` (those with rows).
+PLOT_DEFAULT = object()
+
+#: jaxbuf in every plot: drawn above everything else, in a colour no baseline uses.
+JAXBUF_COLOUR = "#d62728"
+JAXBUF_ZORDER = 10
+JAXBUF_STYLE = {"color": JAXBUF_COLOUR, "lw": 2.6, "zorder": JAXBUF_ZORDER}
+#: Baselines: thinner lines beneath jaxbuf's.
+BASELINE_LW = 1.3
+#: The decode plot marks this many of each variant's slowest steps.
+SLOWEST_MARKED = 5
+
+
+def _plot_paths(plot: Any, device_name: str, kinds: list[str]) -> dict[str, Path]:
+    """Where each plot of ``kinds`` (those with rows to draw, growth first) goes: the default
+    paths (``results/<kind>-<device_name>.png``), or the ``--plot`` path for the first and
+    ``<stem>-<kind><suffix>`` beside it for the others."""
+    if plot is PLOT_DEFAULT:
+        return {kind: Path("results") / f"{kind}-{device_name}.png" for kind in kinds}
+    path = Path(plot)
+    return {
+        kind: path if i == 0 else path.with_name(f"{path.stem}-{kind}{path.suffix or '.png'}")
+        for i, kind in enumerate(kinds)
+    }
+
+
+def _pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (files only: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _measured_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows a plot may draw: measured, and not timed under Triton's interpreter."""
+    return [
+        row
+        for result in results
+        for row in result["rows"]
+        if row["median_s"] is not None and not row.get("interpreter")
+    ]
+
+
+def _row_handles(axes: Any) -> list:
+    """The labelled artists of ``axes`` (a row of panels), one per label, in drawing order:
+    a legend beside the row names every series drawn in any of its panels."""
+    by_label: dict[str, Any] = {}
+    for axis in axes:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            by_label.setdefault(label, handle)
+    return list(by_label.values())
+
+
+def _legend_outside(axis: Any, handles: list, **options: Any) -> Any:
+    """A legend of ``handles`` to the right of ``axis``, clear of its data."""
+    return axis.legend(
+        handles=handles,
+        loc=options.pop("loc", "upper left"),
+        bbox_to_anchor=options.pop("bbox_to_anchor", (1.02, 1.0)),
+        borderaxespad=0.0,
+        fontsize=8,
+        title_fontsize=8,
+        **options,
+    )
+
+
+def _byte_ticks(axis: Any, values: list[float]) -> None:
+    """Tick the log-scaled x axis at the sizes ``values`` (bytes) measured, each labelled in
+    binary units (``16 MiB``, ``48 GiB``)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    from jaxbuf.bench import format_bytes
+
+    axis.xaxis.set_major_locator(FixedLocator(sorted(set(values))))
+    axis.xaxis.set_minor_locator(NullLocator())
+    axis.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(int(round(v)))))
+
+
+def _linear_byte_ticks(axis: Any) -> None:
+    """Tick the linear y axis of bytes every power of two bytes that gives 3 to 7 ticks
+    (``0 B, 256 MiB, 512 MiB, 768 MiB, 1 GiB``), labelled in binary units."""
+    from matplotlib.ticker import FuncFormatter, MultipleLocator
+
+    from jaxbuf.bench import format_bytes
+
+    low, high = axis.get_ylim()
+    step = 1 << max(0, math.ceil(math.log2(max(high - low, 1) / 6)))
+    axis.yaxis.set_major_locator(MultipleLocator(step))
+    # The locator also places ticks just outside the view (below 0 B): those stay unnamed.
+    axis.yaxis.set_major_formatter(
+        FuncFormatter(lambda v, _: format_bytes(int(round(v))) if v >= 0 else "")
+    )
+
+
+def _plain_log_ticks(axis: Any) -> None:
+    """Tick the log-scaled y axis at 1, 2 and 5 times powers of ten, as plain numbers."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+    axis.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=12))
+    axis.yaxis.set_minor_locator(NullLocator())
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+
+
+def _time_ticks(axis: Any) -> None:
+    """Label the log-scaled y axis of seconds in readable units (``100 µs``, ``1 ms``): every
+    power of ten, and 2 and 5 times it where the data spans less than two."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    from jaxbuf.bench import format_seconds
+
+    low, high = axis.get_ylim()
+    subs = (1.0, 2.0, 5.0) if high < 100 * low else (1.0,)
+    axis.yaxis.set_major_locator(LogLocator(base=10, subs=subs, numticks=12))
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_seconds(v)))
+    axis.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _save(plt: Any, figure: Any, path: Path, note: str = "") -> None:
+    """Write ``figure`` to ``path`` as PNG (making its folder), then close it; ``note`` is
+    printed under the axes (what a reader needs to read them right). The saved area grows
+    to hold the legends beside the axes."""
+    if note:
+        figure.text(0.02, 0.01, note, ha="left", va="bottom", fontsize=8, wrap=True)
+        figure.tight_layout(rect=(0, 0.06, 1, 1))
+    else:
+        figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+
+def _one_size(by_label: dict[str, dict[Any, float]]) -> bool:
+    """Whether every series of ``by_label`` is measured at the same single x: a line plot
+    of one x is a column of dots, so such data is drawn as bars (:func:`_bars`)."""
+    return len({x for points in by_label.values() for x in points}) == 1
+
+
+def _bars(
+    axis: Any,
+    by_label: dict[str, dict[Any, float]],
+    ylabel: str,
+    title: str,
+    colours: list[str],
+) -> None:
+    """One bar per series of ``by_label`` (each a single point, in seconds), log-scaled."""
+    labels = list(by_label)
+    values = [next(iter(by_label[label].values())) for label in labels]
+    positions = range(len(labels))
+    bars = axis.bar(positions, values, color=colours)
+    for bar, colour in zip(bars, colours):
+        if colour == JAXBUF_COLOUR:
+            bar.set_zorder(JAXBUF_ZORDER)
+    axis.set_xticks(list(positions), labels, rotation=30, ha="right", fontsize=7)
+    axis.set_yscale("log")
+    _time_ticks(axis)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
+    axis.grid(True, axis="y", which="both", alpha=0.3)
+
+
+# -- growth -----------------------------------------------------------------------------------
+#: ``baseline_kind`` -> (label, colour, line style); jaxbuf's own series use JAXBUF_STYLE.
+_GROWTH_BASELINES = {
+    "floor": ("raw driver calls (floor)", "black", "--"),
+    "seed": ("seed-style (granule set)", "#2ca02c", "-"),
+    "torch": ("torch realloc+copy", "#ff7f0e", "-"),
+    "jax": ("JAX realloc+copy", "#9467bd", "-"),
+}
+_JAXBUF_GROWTH = "jaxbuf ExtensibleTensor"
+
+
+def _growth_series(
+    results: list[dict[str, Any]],
+) -> dict[int, dict[tuple[str, str], dict[int, float]]]:
+    """The ``extensible.growth`` rows as ``{step_bytes: {(who, variant): {committed: s}}}``:
+    ``who`` is ``"jaxbuf"`` or a ``baseline_kind``, ``variant`` ``""`` or what sets the row
+    apart (``", 1 peer"``, ``", 1 TiB reserved"``)."""
+    from jaxbuf.bench import format_bytes
+
+    series: dict[int, dict[tuple[str, str], dict[int, float]]] = {}
+    for row in _measured_rows(results):
+        params = row["params"]
+        if "committed_bytes" not in params or "step_bytes" not in params:
+            continue
+        by_who = series.setdefault(params["step_bytes"], {})
+        committed = params["committed_bytes"]
+        variant = ", 1 peer" if params.get("peers") else ""
+        if params.get("reserved_bytes"):
+            variant += f", {format_bytes(params['reserved_bytes'])} reserved"
+        by_who.setdefault(("jaxbuf", variant), {})[committed] = row["median_s"]
+        if row["baseline_median_s"] is not None:
+            who = params.get("baseline_kind") or row["baseline_name"]
+            by_who.setdefault((who, variant), {})[committed] = row["baseline_median_s"]
+    return series
+
+
+def _growth_look(who: str, variant: str) -> tuple[str, dict[str, Any]]:
+    """The label and line options of one growth series: variants (a reservation, a peer)
+    share their series' colour with hollow markers and a dotted line."""
+    if who == "jaxbuf":
+        label, style = _JAXBUF_GROWTH, dict(JAXBUF_STYLE)
+    else:
+        label, colour, dashes = _GROWTH_BASELINES.get(who, (who, "#7f7f7f", "-."))
+        style = {"color": colour, "ls": dashes, "lw": BASELINE_LW}
+    style["marker"] = "o"
+    if variant:
+        style.update(ls=":", marker="D", markerfacecolor="none", markersize=7)
+    return label + variant, style
+
+
+def _plot_growth(results: list[dict[str, Any]], path: Path, device: Any) -> bool:
+    """PNG of growth cost against committed size, beside the raw driver calls (the floor),
+    the seed-style buffer and realloc+copy. False: no data."""
+    series = _growth_series(results)
+    if not series:
+        return False
+    plt = _pyplot()
+
+    from jaxbuf.bench import format_bytes
+
+    figure, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 4.5), squeeze=False)
+    for axis, (step, by_who) in zip(axes[0], sorted(series.items())):
+        looks = {key: _growth_look(*key) for key in by_who}
+        if _one_size(by_who):  # one committed size: bars, not a column of dots
+            (committed,) = {x for points in by_who.values() for x in points}
+            title = f"grow by {format_bytes(step)} onto {format_bytes(committed)} on {device}"
+            by_label = {looks[key][0]: points for key, points in by_who.items()}
+            colours = [looks[key][1]["color"] for key in by_who]
+            _bars(axis, by_label, "time per grow", title, colours)
+            continue
+        for key, points in by_who.items():
+            label, style = looks[key]
+            xs = sorted(points)
+            axis.plot(xs, [points[x] for x in xs], label=label, **style)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        _byte_ticks(axis, [x for points in by_who.values() for x in points])
+        _time_ticks(axis)
+        axis.set_xlabel("already committed")
+        axis.set_ylabel("time per grow")
+        axis.set_title(f"grow by {format_bytes(step)} on {device}")
+        axis.grid(True, which="both", alpha=0.3)
+    handles = _row_handles(axes[0])
+    if handles:  # none where every panel is bars, named on their own axis
+        _legend_outside(axes[0][-1], handles)
+    _save(plt, figure, path)
+    return True
+
+
+def _has_growth_rows(results: list[dict[str, Any]]) -> bool:
+    """Whether ``results`` hold a measured ``extensible.growth`` row (what _plot_growth draws)."""
+    return bool(_growth_series(results))
+
+
+# -- decode -----------------------------------------------------------------------------------
+#: variant -> (label, colour, line width, z-order): jaxbuf above the baselines.
+_DECODE_VARIANTS = {
+    "jaxbuf": ("jaxbuf ExtensibleTensor", JAXBUF_COLOUR, JAXBUF_STYLE["lw"], JAXBUF_ZORDER),
+    "preallocated": ("JAX, preallocated", "#1f77b4", BASELINE_LW, 4),
+    "realloc": ("JAX, realloc+copy", "#9467bd", 1.0, 5),
+}
+
+
+def _decode_series(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The params of the ``jax.decode`` rows that carry per-step series, one per profile."""
+    return [
+        row["params"]
+        for row in _measured_rows(results)
+        if row["params"].get("kind") == "decode-step" and row["params"].get("series")
+    ]
+
+
+def _rolling_median(values: list[float], window: int) -> list[float]:
+    """The median of each value's centred ``window`` (odd; shorter at the ends)."""
+    half = window // 2
+    return [statistics.median(values[max(0, i - half) : i + half + 1]) for i in range(len(values))]
+
+
+def _median_window(steps: int) -> int:
+    """An odd window of about 1/16 of the run and at least 5 steps: wide enough to smooth a
+    loaded host's noise, narrow beside the run."""
+    return max(5, steps // 16) | 1
+
+
+def _decode_look(variant: str) -> tuple[str, str, float, int]:
+    return _DECODE_VARIANTS.get(variant, (variant, "#7f7f7f", BASELINE_LW, 3))
+
+
+def _granule_floor(params: dict[str, Any]) -> int | None:
+    """The granule where jaxbuf's cache sits on it (holds one granule, its least, at some
+    step), else None: there the granule, not the tokens, sets what jaxbuf holds."""
+    granule = params.get("granule_bytes")
+    held = params["series"].get("jaxbuf", {}).get("held_bytes")
+    return granule if granule and held and min(held) <= granule else None
+
+
+def _draw_decode_memory(axis: Any, params: dict[str, Any]) -> None:
+    """Bytes held per step: the tokens' pages shaded, every variant, and the granule where
+    jaxbuf sits on it."""
+    from jaxbuf.bench import format_bytes
+
+    for variant, series in params["series"].items():
+        label, colour, width, zorder = _decode_look(variant)
+        held = series["held_bytes"]
+        axis.step(
+            range(len(held)),
+            held,
+            where="post",
+            color=colour,
+            lw=width,
+            zorder=zorder,
+            label=label,
+        )
+    if params.get("needed_bytes"):
+        needed = params["needed_bytes"]
+        axis.fill_between(
+            range(len(needed)),
+            needed,
+            step="post",
+            color="#bbbbbb",
+            alpha=0.6,
+            lw=0,
+            zorder=1,
+            label="pages the tokens use",
+        )
+    granule = _granule_floor(params)
+    if granule:
+        axis.axhline(
+            granule,
+            color="#555555",
+            ls="--",
+            lw=0.8,
+            zorder=2,
+            label=f"granule ({format_bytes(granule)}): jaxbuf's least",
+        )
+    axis.set_ylim(bottom=0)
+    _linear_byte_ticks(axis)
+    axis.set_ylabel("bytes held")
+
+
+def _draw_decode_time(axis: Any, params: dict[str, Any]) -> int:
+    """Step time per variant as a rolling median, its slowest steps marked; the window."""
+    window = 1
+    for variant, series in params["series"].items():
+        label, colour, width, zorder = _decode_look(variant)
+        times = [s * 1e3 for s in series["step_s"]]
+        if not times:
+            continue
+        window = _median_window(len(times))
+        axis.plot(
+            _rolling_median(times, window), color=colour, lw=width, zorder=zorder, label=label
+        )
+        slowest = sorted(range(len(times)), key=times.__getitem__)[-SLOWEST_MARKED:]
+        axis.scatter(
+            slowest,
+            [times[i] for i in slowest],
+            color=colour,
+            edgecolors="white",
+            linewidths=0.5,
+            s=28,
+            zorder=zorder + 0.5,
+        )
+    axis.set_yscale("log")
+    _plain_log_ticks(axis)
+    axis.set_ylabel("step (ms)")
+    return window
+
+
+def _plot_decode(results: list[dict[str, Any]], path: Path, device: Any) -> bool:
+    """PNG of the decode loop (``jax.decode``): for each length profile, the bytes the KV
+    cache holds at every step and the step time (a rolling median, the slowest steps
+    marked), jaxbuf beside the preallocated cache and realloc+copy. False: no data."""
+    profiles = _decode_series(results)
+    if not profiles:
+        return False
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+
+    from jaxbuf.bench import format_bytes
+
+    columns = len(profiles)
+    figure, axes = plt.subplots(2, columns, figsize=(5.2 * columns, 7.5), squeeze=False)
+    for column, params in enumerate(profiles):
+        memory, time_axis = axes[0][column], axes[1][column]
+        _draw_decode_memory(memory, params)
+        window = _draw_decode_time(time_axis, params)
+        memory.set_title(f"{params['profile']} lengths on {device}: KV cache memory")
+        time_axis.set_title(
+            f"{params['profile']} lengths on {device}: step time\n"
+            f"(median of {window} steps around each)",
+            fontsize=10,
+        )
+        for axis in (memory, time_axis):
+            axis.set_xlabel("decode step")
+            axis.grid(True, which="both", alpha=0.3)
+    _legend_outside(axes[0][-1], _row_handles(axes[0]))
+    slowest = Line2D(
+        [],
+        [],
+        ls="",
+        marker="o",
+        color="#7f7f7f",
+        label=f"each one's {SLOWEST_MARKED} slowest steps",
+    )
+    _legend_outside(axes[1][-1], [*_row_handles(axes[1]), slowest])
+    granules = sorted({g for g in map(_granule_floor, profiles) if g})
+    note = (
+        "realloc+copy grows at jaxbuf's steps (where it holds what jaxbuf holds, its line "
+        "lies under jaxbuf's); its spikes are the old and new arrays side by side during a copy."
+    )
+    if granules:
+        note += (
+            f" The driver commits whole granules ({', '.join(map(format_bytes, granules))} "
+            "here): jaxbuf's cache holds at least one granule, and grows a granule at a time "
+            "where a growth step is smaller, so at small sizes it can hold more than a "
+            "preallocated cache; the row's memory target allows one growth step above the "
+            "tokens' pages."
+        )
+    _save(plt, figure, path, note)
+    return True
+
+
+# -- staged -----------------------------------------------------------------------------------
+#: Who applies: label and colour; one marker per write pattern.
+_STAGED_WHO = {
+    "jaxbuf": ("jaxbuf FusedStagedWriter", JAXBUF_COLOUR),
+    "seed": ("seed-style apply", "#2ca02c"),
+    "index_put": ("torch index_put_", "#ff7f0e"),
+}
+_PATTERN_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def _staged_series(
+    results: list[dict[str, Any]],
+) -> dict[str, dict[tuple[str, str], dict[int, float]]]:
+    """The measured ``staged.patterns`` apply rows as
+    ``{timing: {(pattern, who): {num_writes: seconds}}}``, ``who`` ``"jaxbuf"`` or the
+    ``baseline_kind``; rows timed under Triton's interpreter left out."""
+    series: dict[str, dict[tuple[str, str], dict[int, float]]] = {}
+    for row in _measured_rows(results):
+        params = row["params"]
+        if params.get("kind") != "pattern-apply":
+            continue
+        by_key = series.setdefault(params["timing"], {})
+        pattern, writes = params["pattern"], params["num_writes"]
+        by_key.setdefault((pattern, "jaxbuf"), {})[writes] = row["median_s"]
+        if row["baseline_median_s"] is not None:
+            who = params.get("baseline_kind") or row["baseline_name"]
+            by_key.setdefault((pattern, who), {})[writes] = row["baseline_median_s"]
+    return series
+
+
+def _interpreted_staged_rows(results: list[dict[str, Any]]) -> bool:
+    """Whether ``results`` hold ``staged.patterns`` rows timed under Triton's interpreter."""
+    return any(
+        row.get("interpreter") and row["params"].get("kind") == "pattern-apply"
+        for result in results
+        for row in result["rows"]
+    )
+
+
+def _plot_staged(results: list[dict[str, Any]], path: Path, device: Any) -> bool:
+    """PNG of one staged apply's time against the number of writes (``staged.patterns``):
+    one colour per apply (jaxbuf, the seed-style apply, torch ``index_put_``), one marker
+    per write pattern; host time and end to end side by side. False: no data."""
+    series = _staged_series(results)
+    if not series:
+        return False
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import NullLocator
+
+    timings = [t for t in ("host", "end to end") if t in series]
+    figure, axes = plt.subplots(1, len(timings), figsize=(5.5 * len(timings), 4.8), squeeze=False)
+    patterns = list(dict.fromkeys(p for by_key in series.values() for p, _ in by_key))
+    markers = {p: _PATTERN_MARKERS[i % len(_PATTERN_MARKERS)] for i, p in enumerate(patterns)}
+    whos = list(dict.fromkeys(w for by_key in series.values() for _, w in by_key))
+    looks = {w: _STAGED_WHO.get(w, (w, f"C{7 + i % 3}")) for i, w in enumerate(whos)}
+    for axis, timing in zip(axes[0], timings):
+        by_key = series[timing]
+        for (pattern, who), points in by_key.items():
+            colour = looks[who][1]
+            mine = who == "jaxbuf"
+            xs = sorted(points)
+            axis.plot(
+                xs,
+                [points[x] for x in xs],
+                label=f"{looks[who][0]}, {pattern}",
+                marker=markers[pattern],
+                color=colour,
+                lw=JAXBUF_STYLE["lw"] if mine else BASELINE_LW,
+                markersize=7 if mine else 5,
+                zorder=JAXBUF_ZORDER if mine else 3,
+            )
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        _time_ticks(axis)
+        writes = sorted({x for points in by_key.values() for x in points})
+        axis.set_xticks(writes, [f"{n:,}" for n in writes])
+        axis.xaxis.set_minor_locator(NullLocator())
+        if len(writes) == 1:  # one size: room either side of its column of points
+            axis.set_xlim(writes[0] / 2, writes[0] * 2)
+        axis.set_xlabel("writes per apply")
+        axis.set_ylabel("time per apply")
+        axis.set_title(f"staged apply, {timing}, on {device}")
+        axis.grid(True, which="both", alpha=0.3)
+    last = axes[0][-1]
+    applies = [
+        Line2D(
+            [],
+            [],
+            color=colour,
+            lw=JAXBUF_STYLE["lw"] if who == "jaxbuf" else BASELINE_LW,
+            label=label,
+        )
+        for who, (label, colour) in looks.items()
+    ]
+    # One legend of both keys (a second legend beside the axes would be clipped to them).
+    header = Line2D([], [], ls="", label="write pattern (marker):")
+    shapes = [Line2D([], [], ls="", marker=markers[p], color="#555555", label=p) for p in patterns]
+    _legend_outside(last, [*applies, header, *shapes], title="apply (colour):")
+    _save(plt, figure, path)
+    return True
+
+
+_PLOTTERS = {"growth": _plot_growth, "decode": _plot_decode, "staged": _plot_staged}
+
+
+def write_plots(
+    results: list[dict[str, Any]], plot: Any, device: Any, device_name: str
+) -> list[Path]:
+    """Draw every plot that ``results`` (the JSON result's suites) hold rows for, at the
+    paths ``plot`` (``--plot``'s value) names; the paths written. Rows timed under Triton's
+    interpreter are not drawn (a warning says so); nothing to draw: a warning."""
+    present = {
+        "growth": _has_growth_rows(results),
+        "decode": bool(_decode_series(results)),
+        "staged": bool(_staged_series(results)),
+    }
+    interpreted = not present["staged"] and _interpreted_staged_rows(results)
+    if interpreted:
+        print(
+            "jaxbuf: warning: staged.patterns not plotted: its rows time Triton's "
+            "interpreter, not jaxbuf (the table and the JSON keep them)",
+            file=sys.stderr,
+        )
+    kinds = [kind for kind, has_rows in present.items() if has_rows]
+    if not kinds and not interpreted:
+        print(
+            "jaxbuf: warning: no rows to plot (run the extensible.growth, jax.decode or "
+            "staged.patterns suite)",
+            file=sys.stderr,
+        )
+    return [
+        path
+        for kind, path in _plot_paths(plot, device_name, kinds).items()
+        if _PLOTTERS[kind](results, path, device)
+    ]
