@@ -351,8 +351,8 @@ class StagedWriteTensor:
         writer = self._writer
         if writer is None:
             writer = self._writer = FusedStagedWriter(
-                self.num_staged_writes,
                 self.device,
+                self.num_staged_writes,
                 self.max_concurrency,
                 backend=self.backend,
                 driver=self._driver,
