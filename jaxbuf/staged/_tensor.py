@@ -204,8 +204,7 @@ class StagedWriteTensor:
         if self.uva_instead_of_gpu:
             from ..uva import UvaBuffer
 
-            buffer = UvaBuffer(nbytes, "uint8", device, driver=driver)
-            buffer.np[:] = 0  # pinned memory from the driver is not zeroed on CUDA
+            buffer = UvaBuffer(nbytes, "uint8", device, driver=driver)  # zeroed
             ptr = buffer.device_ptr
         else:
             buffer = committed_buffer(driver, nbytes, device.index, "StagedWriteTensor target")
