@@ -22,7 +22,7 @@ from conftest import JAX_REASON, TORCH_REASON, TRITON_REASON
 import jaxbuf
 from jaxbuf import _platforms
 from jaxbuf.drivers import HostVmmDriver
-from jaxbuf.uva import _probe_aliasing
+from jaxbuf.uva._probe import _probe_aliasing
 
 MiB = 1 << 20
 FRAMEWORKS = ["numpy", "torch", "jax"]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import JAX_REASON, TORCH_REASON  # rootdir conftest, on sys.path under pytest
 
+import jaxbuf
 from jaxbuf import uva
 from jaxbuf.drivers import DriverError, HostVmmDriver
 from jaxbuf.uva import NonUvaBuffer, UvaBackedTensor, UvaBuffer, UvaBufferPool
@@ -58,7 +59,7 @@ def _as_input(array: np.ndarray, kind: str):
 
 def _to_numpy(array) -> np.ndarray:
     """Values of a torch tensor, JAX array or BufferView (any device), via the host."""
-    if isinstance(array, uva.BufferView):
+    if isinstance(array, jaxbuf.BufferView):
         if array.dlpack_device_type == 1:
             return array.to_numpy().copy()
         return array.to_torch().cpu().numpy()
