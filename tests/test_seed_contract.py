@@ -316,13 +316,13 @@ def test_fused_staged_writer_as_vllm_calls_it(device, call, framework):
         with no_warning():
             writer.apply(states, ptrs, strides)
         assert writer.device == jaxbuf.as_device(device) and writer.max_writes == 2
-        np.testing.assert_array_equal(states[0].to_numpy()[0, :4], [7, 8, 9, 0])
-        np.testing.assert_array_equal(states[1].to_numpy()[0, :3], [10, 11, 0])
+        np.testing.assert_array_equal(_host(states[0].gpu)[0, :4], [7, 8, 9, 0])
+        np.testing.assert_array_equal(_host(states[1].gpu)[0, :3], [10, 11, 0])
         assert all(s.num_staged_writes == 0 for s in states)
         states[1].stage_write(0, 2, [12])
         with no_warning():
             writer.apply(tensors=states, output_ptrs=ptrs, output_strides=strides)
-        np.testing.assert_array_equal(states[1].to_numpy()[0, :3], [10, 11, 12])
+        np.testing.assert_array_equal(_host(states[1].gpu)[0, :3], [10, 11, 12])
     finally:
         writer.close()
         for state in states:
