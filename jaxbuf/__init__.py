@@ -22,7 +22,7 @@ from .uva import (
     is_uva_available,
     uva_unavailable_reason,
 )
-from .views import BufferView
+from .views import BufferView, uint8_tensor_from_ptr
 
 # The one source of the version: pyproject.toml reads this literal ([tool.setuptools.dynamic]).
 __version__ = "0.1.0"
@@ -50,4 +50,5 @@ __all__ = [
     "default_device",
     "granule_size",
     "interop",
+    "uint8_tensor_from_ptr",
 ]

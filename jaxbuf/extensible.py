@@ -28,9 +28,9 @@ from jaxbuf._resolve import resolve
 from jaxbuf._segments import SegmentedReservation
 from jaxbuf.devices import Device, DeviceLike
 from jaxbuf.drivers.base import VmmDriver
-from jaxbuf.views import BufferView
+from jaxbuf.views import BufferView, uint8_tensor_from_ptr
 
-__all__ = ["SEGMENT_ALIGNMENT", "ExtensibleTensor", "granule_size"]
+__all__ = ["SEGMENT_ALIGNMENT", "ExtensibleTensor", "granule_size", "uint8_tensor_from_ptr"]
 
 # Sizes must fit DLPack's int64 shapes (and size_t, which ctypes would silently wrap), after
 # rounding up to the granule.
@@ -92,10 +92,13 @@ def _aligned_offsets(capacities: list[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def granule_size(device: DeviceLike | None = None, driver: VmmDriver | None = None) -> int:
-    """Commit granule of ``device``: the driver granularity, floored at 2 MiB.
+def granule_size(device_index: DeviceLike | None = None, driver: VmmDriver | None = None) -> int:
+    """Commit granule of a device: the driver granularity, floored at 2 MiB.
 
-    The result is a multiple of the driver granularity (the floor is rounded up to one).
+    ``device_index`` is the seed's parameter: an int names a CUDA device, as there; any
+    device spec (``"cpu"``, a ``Device``, a ``torch.device``) works too, and None means
+    :func:`jaxbuf.default_device`. The result is a multiple of the driver granularity (the
+    floor is rounded up to one).
 
     Examples
     --------
@@ -103,7 +106,7 @@ def granule_size(device: DeviceLike | None = None, driver: VmmDriver | None = No
     >>> jaxbuf.granule_size("cpu") % (2 * 1024 * 1024)
     0
     """
-    device, driver = resolve(device, driver)
+    device, driver = resolve(device_index, driver)
     return commit_granule(driver, device.index)
 
 

@@ -214,6 +214,7 @@ class FaultInjectingDriver(VmmDriver):
         self.platform = inner.platform
         self.dlpack_device_type = inner.dlpack_device_type
         self.dlpack_host_device_type = inner.dlpack_host_device_type
+        self.host_alloc_zeroed = inner.host_alloc_zeroed
         self.simulate_events = bool(simulate_events)
         self._names = _CALL_NAMES.get(inner.platform, _CALL_NAMES["cpu"])
         self.calls: collections.Counter[str] = collections.Counter()

@@ -6,6 +6,8 @@ does, and every framework array made from a view aliases the owner's memory. Eve
 DLPack capsule, and so every numpy, torch or JAX array made from the view) holds the owner's
 ``export_anchor``, which keeps the memory alive until the array is gone, also after the owner
 is freed; a view of a freed owner exports nothing (the owner's ``RuntimeError``).
+:func:`uint8_tensor_from_ptr` (the seed's name) makes a view that no owner backs, over memory
+the caller keeps mapped.
 
 The owner is reached only through the owner contract (:class:`jaxbuf._owner.MemoryOwner`:
 ``ready_event``, ``driver``, ``check_exportable``, ``export_anchor``). ``to_torch`` and
@@ -22,7 +24,7 @@ import numpy as np
 
 from . import _dlpack, interop
 from ._checks import as_int, as_shape
-from .devices import Device
+from .devices import Device, as_device
 from .drivers.base import K_DL_CPU, K_DL_CUDA, K_DL_CUDA_HOST, K_DL_ROCM, K_DL_ROCM_HOST
 from .dtypes import DType, DTypeLike, canonical_dtype, uint8
 
@@ -457,3 +459,23 @@ _adapters: dict[str, Any] = {}
 def _adapter(name: str) -> Any:
     adapter = _adapters[name] = interop.get(name)
     return adapter
+
+
+def uint8_tensor_from_ptr(ptr: int, num_bytes: int, device_index: Any) -> BufferView:
+    """A uint8 view of ``num_bytes`` of device memory at ``ptr``; the caller keeps it mapped.
+
+    The seed's function, with the seed's parameters: ``device_index`` is an int naming a
+    CUDA device, or any device spec (``"cpu"`` for memory of the CPU driver). The view is
+    what every framework imports (``torch.from_dlpack``, ``jax.dlpack.from_dlpack``,
+    ``np.from_dlpack`` for host memory, or :meth:`BufferView.to_torch` and friends),
+    zero-copy. It owns nothing: no array made from it keeps the memory alive, so the caller
+    must keep it mapped while any such array lives (an owner's own views, such as
+    ``ExtensibleTensor.segment_view``, do that for you). ``TypeError`` / ``ValueError``
+    name a bad argument; nothing is allocated.
+    """
+    num_bytes = as_int(num_bytes, "num_bytes")
+    if num_bytes < 0:
+        raise ValueError(f"num_bytes must be non-negative, got {num_bytes}")
+    device = as_device(device_index)
+    driver = _driver_of(device)  # ValueError for an index the driver lacks
+    return BufferView(ptr, num_bytes, uint8, (num_bytes,), device, None, driver.dlpack_device_type)

@@ -9,8 +9,7 @@ buffers, views, staged writes or framework adapters): the staged-write wing,
 
 Importing this package needs only numpy; the Triton modules are imported on first use, so a
 machine without Triton can still use the numpy reference, selected explicitly. Triton is
-imported nowhere else in jaxbuf. ``jax_staged``, ``jax_ring`` and ``jax_triton_apply`` here
-are compatibility shims for names that moved to :mod:`jaxbuf.jax_ops`.
+imported nowhere else in jaxbuf.
 """
 
 from .reference import (

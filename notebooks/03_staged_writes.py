@@ -155,7 +155,7 @@ num_seqs, max_blocks = 4, 6
 block_table = StagedWriteTensor((num_seqs, max_blocks), "int32", device=device)
 scales = StagedWriteTensor((num_seqs, 2), "float32", device=device)
 biases = StagedWriteTensor((num_seqs, 2), "bfloat16", device=device)
-writer = FusedStagedWriter(64, device)
+writer = FusedStagedWriter(device, 64)
 
 launches = []
 launch = writer._launch

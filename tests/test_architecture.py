@@ -5,8 +5,7 @@
   of staged writes (``jaxbuf/staged/_jax_*``) imports JAX; the kernels of ``kernels/``
   (installed as ``jaxbuf.kernels``) may, and only they may import Triton.
 * ``kernels/`` takes pointers and arrays: it imports no jaxbuf owner (buffers, views, staged
-  writes, framework adapters), bar the listed compatibility shims, which hold nothing but
-  re-exports.
+  writes, framework adapters).
 * No module of ``jaxbuf/`` or ``kernels/`` is over 600 lines.
 * jaxbuf's own import graph (module-level and function-level imports, read with ``ast``) has
   no cycle; devices do not import drivers; drivers reach nothing but leaves; the adapters
@@ -164,12 +163,6 @@ def _is_jax_wing(name: str) -> bool:
     return name.startswith("jaxbuf.staged._jax_")
 
 
-#: Modules of kernels/ that only re-export names which moved to jaxbuf.staged, for old imports.
-KERNEL_SHIMS = (
-    "jaxbuf.kernels.jax_staged",
-    "jaxbuf.kernels.jax_ring",
-    "jaxbuf.kernels.jax_triton_apply",
-)
 #: What kernels/ must not import: every owner of memory or arrays, and the adapters.
 OWNERS = (
     "jaxbuf.extensible",
@@ -181,7 +174,6 @@ OWNERS = (
     "jaxbuf.sharding",
     "jaxbuf.transfer",
     "jaxbuf.jax_ops",
-    "jaxbuf.fused",
     "jaxbuf._reservation",
     "jaxbuf._segments",
     "jaxbuf._owner",
@@ -197,7 +189,6 @@ def test_the_module_walk_sees_the_layout():
         "jaxbuf.kernels.staged_write",
         "jaxbuf.kernels.packed_write",
         "jaxbuf.staged._jax_apply",
-        *KERNEL_SHIMS,
     ):
         assert name in MODULES, sorted(MODULES)
     assert "jaxbuf.uva" in _library_proper()
@@ -223,24 +214,10 @@ def test_the_jax_wing_is_seen():
     assert any(m.startswith("jax") for m, _ in IMPORTS["jaxbuf.staged._jax_apply"])
 
 
-@pytest.mark.parametrize(
-    "name", [n for n in MODULES if _under(n, ("jaxbuf.kernels",)) and n not in KERNEL_SHIMS]
-)
+@pytest.mark.parametrize("name", [n for n in MODULES if _under(n, ("jaxbuf.kernels",))])
 def test_kernels_import_no_owner(name):
     reached = sorted(m for m in _reachable(name) if _under(m, OWNERS))
     assert not reached, f"{name} (kernels take pointers and arrays) reaches {reached}"
-
-
-@pytest.mark.parametrize("name", KERNEL_SHIMS)
-def test_kernel_shims_only_re_export(name):
-    tree = ast.parse(MODULES[name].read_text())
-    kinds = {type(node).__name__ for node in tree.body}
-    body = [n for n in tree.body if not isinstance(n, (ast.ImportFrom, ast.Import))]
-    # A docstring, the imports and __all__: no code of their own.
-    assert isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), kinds
-    assert all(
-        isinstance(n, ast.Assign) and [t.id for t in n.targets] == ["__all__"] for n in body[1:]
-    ), kinds
 
 
 def test_only_kernel_launchers_import_triton():
@@ -336,7 +313,6 @@ BUFFER_MODULES = (
     "jaxbuf.uva",
     "jaxbuf.staged",
     "jaxbuf.jax_ops",
-    "jaxbuf.fused",
     "jaxbuf.sharing",
     "jaxbuf.sharding",
 )

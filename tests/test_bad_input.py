@@ -108,7 +108,7 @@ def make_staged():
 
 
 def make_writer():
-    return jaxbuf.FusedStagedWriter(8, "cpu", backend="numpy"), make_staged()
+    return jaxbuf.FusedStagedWriter("cpu", 8, backend="numpy"), make_staged()
 
 
 def make_counting_driver():
@@ -197,11 +197,11 @@ def _swt(size=(4, 8), dtype="int32", **kwargs):
 def _fsw(max_writes=8, **kwargs):
     kwargs.setdefault("backend", "numpy")
     device = kwargs.pop("device", "cpu")
-    return lambda driver: jaxbuf.FusedStagedWriter(max_writes, device, driver=driver, **kwargs)
+    return lambda driver: jaxbuf.FusedStagedWriter(device, max_writes, driver=driver, **kwargs)
 
 
 def _staged_into(swt, tensors_of):
-    writer = jaxbuf.FusedStagedWriter(8, "cpu", backend="numpy")
+    writer = jaxbuf.FusedStagedWriter("cpu", 8, backend="numpy")
     return writer.apply(tensors_of(swt))
 
 
@@ -908,7 +908,7 @@ def _cuda_pool_into_cpu_tensor():
 
 
 def _cuda_writer_on_cpu_tensor():
-    writer = jaxbuf.FusedStagedWriter(8, "cuda")
+    writer = jaxbuf.FusedStagedWriter("cuda", 8)
     swt = jaxbuf.StagedWriteTensor(8, "int32", "cpu", backend="numpy")
     swt.stage_write_elem(0, 1)
     try:

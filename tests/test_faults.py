@@ -535,7 +535,7 @@ def _apply_sweep(device, backend, fused):
             StagedWriteTensor((4, 6), dtype, device, backend=backend, driver=driver)
             for dtype in ("int32", "float16")
         ]
-        writer = FusedStagedWriter(2, device, backend=backend, driver=driver) if fused else None
+        writer = FusedStagedWriter(device, 2, backend=backend, driver=driver) if fused else None
         models = [np.zeros((4, 6), t.dtype.numpy) for t in tensors]
         s = {"tensors": tensors, "writer": writer, "models": models}
         _stage(s, 0)
@@ -713,7 +713,7 @@ def test_regression_fused_writer_close_failure_is_retried():
     tensors = [
         StagedWriteTensor(4, "int32", "cpu", backend="numpy", driver=driver) for _ in range(2)
     ]
-    writer = FusedStagedWriter(1, "cpu", backend="numpy", driver=driver)
+    writer = FusedStagedWriter("cpu", 1, backend="numpy", driver=driver)
     for step in range(2):  # both slots made
         for t in tensors:
             t.stage_write_elem(step, step + 1)
@@ -785,7 +785,7 @@ def test_a_failed_copy_or_launch_leaves_the_writes_staged(cuda_device, kind):
 
     driver = new_driver(cuda_device)
     swt = StagedWriteTensor((2, 4), "int32", cuda_device, driver=driver)
-    writer = FusedStagedWriter(4, cuda_device, driver=driver)
+    writer = FusedStagedWriter(cuda_device, 4, driver=driver)
     for round_ in range(3):  # past both staging slots
         swt.stage_write(round_ % 2, 0, [round_ + 1, 7])
         driver.fail_on(kind)

@@ -130,7 +130,7 @@ def _run_fused(backend: str, seed: int, tensors, monkeypatch) -> list[np.ndarray
     them in one launch, check the launched table, return the targets."""
     models, values = _model_and_values(seed, tensors)
     swts = [StagedWriteTensor(shape, dtype, "cpu", backend=backend) for dtype, shape, _ in tensors]
-    writer = FusedStagedWriter(4, "cpu", backend=backend)
+    writer = FusedStagedWriter("cpu", 4, backend=backend)
     tables = []
     launch = writer._launch
 
@@ -206,7 +206,7 @@ def test_resolution_survives_clear_regrow_and_restage(packer, monkeypatch):
     """Cleared batches leave nothing behind in the row index; a slot that grows packs the same
     batch twice (the resolution is reused); a failed apply keeps the batch staged."""
     swt = StagedWriteTensor((4, 16), "int32", "cpu", backend="numpy")
-    writer = FusedStagedWriter(1, "cpu", backend="numpy")
+    writer = FusedStagedWriter("cpu", 1, backend="numpy")
     try:
         swt.stage_write(0, 0, np.arange(16, dtype=np.int32))
         swt.clear_staged_writes()  # the row index forgets row 0

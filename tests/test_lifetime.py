@@ -120,7 +120,7 @@ swt.stage_write(2, 0, [4])  # staged, never applied
 other = jaxbuf.StagedWriteTensor(8, "float32", device=device, uva_instead_of_gpu=True,
                                  backend=backend)
 other.stage_write_elem(3, 2.5)
-writer = jaxbuf.FusedStagedWriter(4, device, backend=backend)
+writer = jaxbuf.FusedStagedWriter(device, 4, backend=backend)
 writer.apply([swt, other])
 target = swt.to_torch()
 print("done", int(target[1, 2]), flush=True)
@@ -266,7 +266,7 @@ def test_a_cycle_through_a_numpy_array_is_collected_and_frees_the_memory():
 def test_staged_write_tensor_in_a_cycle_through_its_writer():
     driver = CountingDriver()
     swt = jaxbuf.StagedWriteTensor((4, 8), "int32", device="cpu", backend="numpy", driver=driver)
-    writer = jaxbuf.FusedStagedWriter(4, "cpu", backend="numpy", driver=driver)
+    writer = jaxbuf.FusedStagedWriter("cpu", 4, backend="numpy", driver=driver)
     swt.stage_write(0, 0, [1])
     writer.apply([swt])
     writer.peer = (swt, writer)

@@ -228,7 +228,7 @@ def _count_launches(writer, monkeypatch):
 
 def test_fused_writer_several_tables_one_never_staged(device, packer, cleanup, monkeypatch):
     tables = [_swt(cleanup, (4, 6), "int32", device=device) for _ in range(4)]
-    writer = FusedStagedWriter(8, device)
+    writer = FusedStagedWriter(device, 8)
     cleanup(writer)
     launches = _count_launches(writer, monkeypatch)
     models = [np.zeros((4, 6), np.int32) for _ in tables]
@@ -252,7 +252,7 @@ def test_fused_writer_several_tables_one_never_staged(device, packer, cleanup, m
 def test_mixed_dtypes_in_one_apply(device, packer, cleanup, monkeypatch):
     rng = np.random.default_rng(7)
     tables = [_swt(cleanup, (3, 9), dtype, device=device) for dtype in SUPPORTED_DTYPES]
-    writer = FusedStagedWriter(4, device)
+    writer = FusedStagedWriter(device, 4)
     cleanup(writer)
     launches = _count_launches(writer, monkeypatch)
     models = [np.zeros((3, 9), _np_dtype(d)) for d in SUPPORTED_DTYPES]
@@ -314,7 +314,7 @@ def test_large_applies_read_a_device_copy_and_match_the_model(cleanup):
     tables = [StagedWriteTensor(shape, "int32", "cuda") for _ in range(2)]
     for table in tables:
         cleanup(table)
-    writer = FusedStagedWriter(64, "cuda", max_concurrency=2)
+    writer = FusedStagedWriter("cuda", 64, max_concurrency=2)
     cleanup(writer)
     models = [np.zeros(shape, np.int32) for _ in tables]
     for round_ in range(6):
@@ -367,7 +367,7 @@ def test_overlaps_resolved_before_a_parallel_launch(packer, cleanup, monkeypatch
 
 def test_fused_writer_rejects_bad_lists(device, cleanup):
     a = _swt(cleanup, (2, 2), "int32", device=device)
-    writer = FusedStagedWriter(2, device)
+    writer = FusedStagedWriter(device, 2)
     cleanup(writer)
     a.stage_write(0, 0, [1])
     with pytest.raises(ValueError, match="twice"):
@@ -385,7 +385,7 @@ def test_fused_writer_rejects_bad_lists(device, cleanup):
 def test_output_ptrs_redirect_writes(device, cleanup):
     a = _swt(cleanup, (2, 4), "int32", device=device)
     b = _swt(cleanup, (4, 4), "int32", device=device)
-    writer = FusedStagedWriter(4, device)
+    writer = FusedStagedWriter(device, 4)
     cleanup(writer)
     a.stage_write(1, 1, [5, 6])
     # Write a's rows as every other row of b.
@@ -400,7 +400,7 @@ def test_output_ptrs_redirect_writes(device, cleanup):
 
 def test_slots_grow_past_max_writes(device, packer, cleanup):
     swt = _swt(cleanup, (64, 300), "int64", device=device, max_concurrency=1)
-    writer = FusedStagedWriter(1, device, max_concurrency=1)
+    writer = FusedStagedWriter(device, 1, max_concurrency=1)
     cleanup(writer)
     expected = np.zeros((64, 300), np.int64)
     for step in range(2):
@@ -504,7 +504,7 @@ def test_bad_constructor_arguments():
     with pytest.raises(ValueError, match="max_concurrency"):
         StagedWriteTensor((2, 2), "int32", device="cpu", max_concurrency=0)
     with pytest.raises(ValueError, match="max_writes"):
-        FusedStagedWriter(0, "cpu")
+        FusedStagedWriter("cpu", 0)
 
 
 def test_missing_triton_names_the_numpy_backend(monkeypatch):
@@ -521,7 +521,7 @@ def test_numpy_backend_refused_on_gpu():
     with pytest.raises(ValueError, match="backend='numpy'"):
         StagedWriteTensor((2, 2), "int32", device="cuda", backend="numpy")
     with pytest.raises(ValueError, match="backend='numpy'"):
-        FusedStagedWriter(4, "cuda", backend="numpy")
+        FusedStagedWriter("cuda", 4, backend="numpy")
 
 
 # -- backends --------------------------------------------------------------------------------
@@ -552,7 +552,7 @@ def test_free_is_idempotent_and_final(device):
         swt.stage_write(0, 0, [1.0])
     with pytest.raises(ValueError, match="freed"):
         swt.gpu
-    writer = FusedStagedWriter(4, device)
+    writer = FusedStagedWriter(device, 4)
     writer.close()
     writer.close()
 
@@ -652,7 +652,7 @@ def test_every_use_after_free_raises(device):
     for use in uses:
         with pytest.raises(RuntimeError, match="freed"):
             use()
-    writer = FusedStagedWriter(4, device)
+    writer = FusedStagedWriter(device, 4)
     other.stage_write(1, 0, [5])
     with pytest.raises(RuntimeError, match="freed"):
         writer.apply([other, swt])
@@ -672,7 +672,7 @@ def test_owners_refuse_pickling_and_copying(how, cleanup):
     import pickle
 
     swt = _swt(cleanup, (2, 2), "int32", device="cpu", backend="numpy")
-    writer = FusedStagedWriter(2, "cpu", backend="numpy")
+    writer = FusedStagedWriter("cpu", 2, backend="numpy")
     cleanup(writer)
     operation = {"pickle": pickle.dumps, "copy": copy.copy, "deepcopy": copy.deepcopy}[how]
     for obj in (swt, writer):
@@ -718,7 +718,7 @@ def test_side_stream_steps_two_in_flight(guarded, cleanup):
 
     side = torch.cuda.Stream()
     swt = _swt(cleanup, (16, 64), "int32", device="cuda", max_concurrency=2)
-    writer = FusedStagedWriter(8, "cuda", max_concurrency=2, guarded=guarded)
+    writer = FusedStagedWriter("cuda", 8, max_concurrency=2, guarded=guarded)
     cleanup(writer)
     rng = np.random.default_rng(5)
     model = np.zeros((16, 64), np.int32)
@@ -858,7 +858,7 @@ def test_a_tensors_own_writer_is_sized_for_the_writes_staged(cleanup):
 
 def test_apply_takes_any_iterable_once_and_names_what_is_not_a_tensor(cleanup):
     swt = _swt(cleanup, (4, 4), "int32", device="cpu", backend="numpy")
-    writer = FusedStagedWriter(4, "cpu", backend="numpy")
+    writer = FusedStagedWriter("cpu", 4, backend="numpy")
     cleanup(writer)
     swt.stage_write(1, 1, [7])
     writer.apply(t for t in [swt])  # a generator: read once, and applied
@@ -879,27 +879,25 @@ def test_apply_takes_any_iterable_once_and_names_what_is_not_a_tensor(cleanup):
     assert swt.num_staged_writes == 1 and staged.num_staged_writes == 1  # nothing applied
 
 
-def test_the_writer_takes_max_writes_first_and_the_old_order_warns(cleanup):
-    writer = FusedStagedWriter(8, device="cpu", max_concurrency=3, backend="numpy")
+def test_the_writer_takes_the_seeds_argument_order(cleanup):
+    writer = FusedStagedWriter("cpu", 8, 3, backend="numpy")
     cleanup(writer)
     assert (writer.max_writes, writer.max_concurrency, str(writer.device)) == (8, 3, "cpu")
-    with pytest.warns(DeprecationWarning, match="max_writes, device"):
-        old = FusedStagedWriter("cpu", 8, backend="numpy")
-    cleanup(old)
-    assert old.max_writes == 8 and str(old.device) == "cpu"
+    with pytest.raises(TypeError, match=r"\(device, max_writes, max_concurrency\)"):
+        FusedStagedWriter(8, "cpu", backend="numpy")  # the order jaxbuf once had
     with pytest.raises(ValueError, match="max_writes must be"):
-        FusedStagedWriter(0, "cpu", backend="numpy")
+        FusedStagedWriter("cpu", 0, backend="numpy")
     with pytest.raises(ValueError, match="device_copy_min_bytes"):
-        FusedStagedWriter(8, "cpu", backend="numpy", device_copy_min_bytes=-1)
+        FusedStagedWriter("cpu", 8, backend="numpy", device_copy_min_bytes=-1)
 
 
 def test_staged_classes_print_their_state(cleanup):
     swt = _swt(cleanup, (4, 8), "int32", device="cpu", backend="numpy")
     assert swt.nbytes == 4 * 8 * 4
-    writer = FusedStagedWriter(4, "cpu", backend="numpy")
+    writer = FusedStagedWriter("cpu", 4, backend="numpy")
     cleanup(writer)
     assert repr(writer) == (
-        "FusedStagedWriter(max_writes=4, device=cpu, max_concurrency=2, backend='numpy', nbytes=0)"
+        "FusedStagedWriter(device=cpu, max_writes=4, max_concurrency=2, backend='numpy', nbytes=0)"
     )
     swt.stage_write(0, 0, [1])
     writer.apply([swt])

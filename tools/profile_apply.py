@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     device = jaxbuf.as_device(args.device)
     tables = [StagedWriteTensor((1024, 4096), "int32", device) for _ in range(4)]
-    writer = FusedStagedWriter(args.writes, device)
+    writer = FusedStagedWriter(device, args.writes)
     driver = writer._driver
     rng = np.random.default_rng(0)
     per = args.writes // 4

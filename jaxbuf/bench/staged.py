@@ -178,7 +178,7 @@ def _apply_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
         StagedWriteTensor((_NUM_ROWS, _ROW_LEN), "int32", device, backend=backend)
         for _ in range(_NUM_TABLES)
     ]
-    writer = FusedStagedWriter(num_writes, device, backend=backend)
+    writer = FusedStagedWriter(device, num_writes, backend=backend)
     seed_targets = [
         torch.zeros((_NUM_ROWS, _ROW_LEN), dtype=torch.int32, device=torch_device)
         for _ in range(_NUM_TABLES)
@@ -418,7 +418,7 @@ def overlap_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
         for row, start, v in writes:
             expected[row, start : start + 16] = v
         swt = StagedWriteTensor((num_rows, row_len), "int32", device)
-        writer = FusedStagedWriter(len(writes), device)
+        writer = FusedStagedWriter(device, len(writes))
         target = torch.zeros((num_rows, row_len), dtype=torch.int32, device=device.torch())
         baseline = _SerialApply(device, target, writes, row_len)
         try:

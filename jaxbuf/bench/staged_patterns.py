@@ -136,7 +136,7 @@ def _pattern_rows(device: Any, num_writes: int, quick: bool) -> Iterator[Row]:
     torch_device = device.torch()
     shape = (_PATTERN_ROWS, _PATTERN_ROW_LEN)
     tables = [StagedWriteTensor(shape, "int32", device) for _ in range(_NUM_TABLES)]
-    writer = FusedStagedWriter(num_writes, device)
+    writer = FusedStagedWriter(device, num_writes)
     seed_targets = [
         torch.zeros(shape, dtype=torch.int32, device=torch_device) for _ in range(_NUM_TABLES)
     ]

@@ -93,6 +93,10 @@ class VmmDriver(abc.ABC):
     dlpack_device_type: int
     #: DLPack ``device_type`` of pinned host memory as seen from the host.
     dlpack_host_device_type: int = K_DL_CPU
+    #: Whether :meth:`host_alloc` always returns zeroed memory. False (the safe default):
+    #: a pinned allocator may hand back a block freed earlier with its bytes (CUDA's does),
+    #: so the owner zeroes it.
+    host_alloc_zeroed: bool = False
 
     # -- probing --------------------------------------------------------------------
     @abc.abstractmethod

@@ -164,6 +164,7 @@ class HostVmmDriver(VmmDriver):
     platform = "cpu"
     dlpack_device_type = K_DL_CPU
     dlpack_host_device_type = K_DL_CPU
+    host_alloc_zeroed = True  # a fresh anonymous mmap: the kernel zeroes its pages
 
     def __init__(self, *, quarantine_bytes: int = 64 << 30, quarantine_ranges: int = 4096) -> None:
         for name, value in (

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import reprlib
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ from .._checks import as_int as as_index
 from .._errors import Cleanup, attempt
 from .._lifetime import release_when_collected
 from .._resolve import resolve
-from ..devices import Device, as_device
+from ..devices import Device
 from ..drivers.base import VmmDriver
 from ..kernels.reference import StagedLaunch
 from ..uva._slots import UNRECORDED, PinnedSlot, PinnedSlotRing
@@ -149,12 +148,11 @@ class FusedStagedWriter:
 
     Parameters
     ----------
+    device : device spec or None
+        The seed's order, ``(device, max_writes, max_concurrency)``; None means
+        :func:`jaxbuf.default_device`.
     max_writes : int
         Writes per apply the slots are first sized for (they grow beyond).
-    device : device spec, optional
-        Default: :func:`jaxbuf.default_device`. The order was ``(device, max_writes)`` before;
-        a call in that order whose first argument is not an integer (``"cuda"``, a
-        ``Device``, a ``torch.device``) still works, with a ``DeprecationWarning``.
     max_concurrency : int, optional
         Number of staging slots; default 2.
     backend : {"triton", "numpy"}
@@ -170,8 +168,8 @@ class FusedStagedWriter:
 
     def __init__(
         self,
+        device: Any,
         max_writes: int,
-        device: Any = None,
         max_concurrency: int | None = None,
         *,
         backend: str = "triton",
@@ -182,20 +180,14 @@ class FusedStagedWriter:
         self._ring: PinnedSlotRing | None = None
         self._slots: list[_StagingSlot] = []
         self._closed = True
-        if _is_device_like(max_writes) and not _names_a_device(device):
-            warnings.warn(
-                "FusedStagedWriter(device, max_writes, ...) is deprecated: the order is "
-                "FusedStagedWriter(max_writes, device=..., max_concurrency=...)",
-                DeprecationWarning,
-                stacklevel=2,
+        if _is_device_like(max_writes):
+            raise TypeError(
+                f"max_writes must be an integer, got {max_writes!r}: the arguments are "
+                "(device, max_writes, max_concurrency), as in vLLM"
             )
-            max_writes, device = device, max_writes
         max_writes = as_index(max_writes, "max_writes")
         if not 1 <= max_writes < 1 << 31:  # one launch counts its writes in int32
-            raise ValueError(
-                f"max_writes must be in [1, 2**31), got {max_writes} (the arguments are "
-                "(max_writes, device=..., max_concurrency=...))"
-            )
+            raise ValueError(f"max_writes must be in [1, 2**31), got {max_writes}")
         if device_copy_min_bytes is not None:
             device_copy_min_bytes = as_index(device_copy_min_bytes, "device_copy_min_bytes")
             if device_copy_min_bytes < 0:
@@ -487,7 +479,7 @@ class FusedStagedWriter:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"nbytes={self.nbytes}"
         return (
-            f"FusedStagedWriter(max_writes={self.max_writes}, device={self.device}, "
+            f"FusedStagedWriter(device={self.device}, max_writes={self.max_writes}, "
             f"max_concurrency={self.max_concurrency}, backend={self.backend!r}, {state})"
         )
 
@@ -506,24 +498,12 @@ class FusedStagedWriter:
 def _is_device_like(value: Any) -> bool:
     """Whether ``value`` can only be a device spec, never a write count: a string, a
     :class:`~jaxbuf.Device`, or a framework's device object (``torch.device``, a JAX
-    device). Integers are write counts (the current argument order)."""
+    device). Refused as ``max_writes`` with the argument order named."""
     if isinstance(value, (str, Device)):
         return True
     if isinstance(value, (int, np.integer)) or value is None:
         return False
     return hasattr(value, "platform") or hasattr(value, "type")
-
-
-def _names_a_device(value: Any) -> bool:
-    """Whether ``value`` reads as a device spec that is not an integer: then a device-like
-    first argument is no old-order call (and is refused as the write count it is not)."""
-    if not _is_device_like(value):
-        return False
-    try:
-        as_device(value)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def _as_sequence(tensors: Any) -> tuple:

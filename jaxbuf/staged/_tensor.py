@@ -204,8 +204,7 @@ class StagedWriteTensor:
         if self.uva_instead_of_gpu:
             from ..uva import UvaBuffer
 
-            buffer = UvaBuffer(nbytes, "uint8", device, driver=driver)
-            buffer.np[:] = 0  # pinned memory from the driver is not zeroed on CUDA
+            buffer = UvaBuffer(nbytes, "uint8", device, driver=driver)  # zeroed
             ptr = buffer.device_ptr
         else:
             buffer = committed_buffer(driver, nbytes, device.index, "StagedWriteTensor target")
@@ -351,8 +350,8 @@ class StagedWriteTensor:
         writer = self._writer
         if writer is None:
             writer = self._writer = FusedStagedWriter(
-                self.num_staged_writes,
                 self.device,
+                self.num_staged_writes,
                 self.max_concurrency,
                 backend=self.backend,
                 driver=self._driver,

@@ -33,7 +33,6 @@ Examples
 from __future__ import annotations
 
 from .._checks import DEFAULT_MAX_CONCURRENCY, MAX_CONCURRENCY
-from ..views import BufferView  # noqa: F401 - jaxbuf.uva.BufferView: the module had it
 from ._backed import UvaBackedTensor
 from ._buffers import NonUvaBuffer, UvaBuffer, async_copy_to_device
 from ._pool import UvaBufferPool

@@ -16,6 +16,7 @@ reference counting, at once, its memory with its last array.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from typing import Any, NoReturn
@@ -64,7 +65,11 @@ def _refuse_copy(self: Any, *args: Any) -> NoReturn:
 
 # -- the allocations (jaxbuf._owner.OwnedAllocation) --------------------------------------
 class _PinnedHostMemory:
-    """One ``host_alloc`` block: the allocation of a :class:`UvaBuffer`.
+    """One ``host_alloc`` block: the allocation of a :class:`UvaBuffer`, zeroed.
+
+    Zeroed as the seed's ``torch.zeros(..., pin_memory=True)`` is, unless the driver's
+    ``host_alloc_zeroed`` says it already is: a pinned allocator may hand back a block freed
+    earlier with its bytes (on CUDA a fresh pool slot read the UVA probe's pattern).
 
     Held by the buffer's lifetime anchor, so by every export of the buffer; it references
     nothing of the buffer or of a pool (see the module docstring). Released once, by
@@ -85,6 +90,9 @@ class _PinnedHostMemory:
         # host_alloc refuses 0 bytes; an empty buffer still gets a valid pointer.
         self.host_ptr, self.device_ptr = driver.host_alloc(max(nbytes, 1), device.index)
         self.nbytes = nbytes
+        if not driver.host_alloc_zeroed:
+            # Through the host pointer: no device work is pending on a block just allocated.
+            ctypes.memset(self.host_ptr, 0, nbytes)
 
     @property
     def released(self) -> bool:

@@ -383,7 +383,15 @@ class UvaBufferPool:
         tensor): ``_write`` then copies it with one memmove, skipping numpy."""
         if isinstance(x, (list, tuple)):
             if len(x) == 0:
-                return np.empty((0, *self._row_shape), self._np_dtype), None
+                if self._row_shape:
+                    # No rows, so no row shape to check: refused as the seed's numpy
+                    # assignment refuses it (vLLM's tests match this message).
+                    raise ValueError(
+                        "could not broadcast input array from shape (0,) into shape "
+                        f"{(0, *self._row_shape)}: an empty list has no row shape; pass an "
+                        f"empty array of shape {(0, *self._row_shape)}"
+                    )
+                return np.empty(0, self._np_dtype), None
             try:
                 return np.asarray(x), None
             except ValueError as error:

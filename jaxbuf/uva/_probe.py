@@ -47,7 +47,10 @@ def _uva_unavailable_reason(device: Device) -> str | None:
 
 
 def _probe_aliasing(driver: VmmDriver, device_index: int, size: int = 4096) -> str | None:
-    """Write through the host pointer, read through the device pointer (and back)."""
+    """Write through the host pointer, read through the device pointer (and back).
+
+    Both blocks are zeroed before they are freed: the pinned allocator may hand them out
+    again as they are, and the probe's patterns must not show through there."""
     try:
         host_ptr, device_ptr = driver.host_alloc(size, device_index)
     except DriverError as error:
@@ -74,6 +77,8 @@ def _probe_aliasing(driver: VmmDriver, device_index: int, size: int = 4096) -> s
     except DriverError as error:
         return f"access to pinned host memory through its device pointer failed: {error}"
     finally:
+        ctypes.memset(check_ptr, 0, size)
+        ctypes.memset(host_ptr, 0, size)
         driver.host_free(check_ptr)
         driver.host_free(host_ptr)
     return None

@@ -53,7 +53,7 @@ def main() -> None:
 
         for label, threshold in (("default", None), ("always copy", 0), ("in place", IN_PLACE)):
             options = {} if threshold is None else {"device_copy_min_bytes": threshold}
-            writer = FusedStagedWriter(n, device=device, **options)
+            writer = FusedStagedWriter(device, n, **options)
 
             def apply(writer=writer) -> None:
                 writer.apply(tables)
