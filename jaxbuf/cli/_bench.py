@@ -449,7 +449,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     quick = " (quick: small sizes, targets not judged at quick sizes)" if args.quick else ""
-    out.line(f"jaxbuf bench on {device}{quick}: {len(suites)} suite(s)")
+    start_load = _one_minute_load()
+    load = "" if start_load is None else f"; load {start_load:.1f} on {os.cpu_count()} cores"
+    out.line(f"jaxbuf bench on {device}{quick}: {len(suites)} suite(s){load}")
     interpreted = [s.name for s in runnable if s.uses_interpreter(device)]
     if interpreted:
         out.line(
@@ -517,6 +519,8 @@ def run(args: argparse.Namespace) -> int:
         "ratio": f"median_s / baseline_median_s ({bench.RATIO}, lower is better)",
         "suites": serial,
         "load_errors": dict(bench.load_errors),
+        # Other work on the machine moves the figures: the 1-minute load at start and end.
+        "load_average": {"start": start_load, "end": _one_minute_load()},
     }
     counts = tally(results, device_name)
     document["tally"] = {
@@ -555,6 +559,15 @@ def run(args: argparse.Namespace) -> int:
             )
     failed = any(r["error"] for r in results)
     return 1 if failed or (args.strict and counts["missed"]) else 0
+
+
+def _one_minute_load() -> float | None:
+    """The machine's 1-minute load average (None where the platform has none): a shared
+    machine's figures move with it, so the header and the JSON state it."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def _warn_of_shared_allocator(suites: list) -> None:
