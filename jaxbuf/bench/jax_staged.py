@@ -58,13 +58,13 @@ _RING_ON_CPU = (
 )
 _APPLY_ON_CPU = (
     "a GPU target: the apply's scatter drops padding (mode='drop', after mapping it out of "
-    "range), which costs XLA's CPU scatter extra work per value (4,096 writes, 10 chained: "
-    "plain 158 µs, plain with mode='drop' 170 µs, the apply 181 µs); on an H200 the apply "
-    "is below plain JAX's time"
+    "range), which costs XLA's CPU scatter extra work per value (4,096 writes, 10 chained, "
+    "JAX's own pool, a 2-core CPU: plain 158 µs, plain with mode='drop' 170 µs, the apply "
+    "181 µs); on an H200 the apply is below plain JAX's time"
 )
 _UNEXPANDED_ON_CPU = (
-    "what a GPU ring packs; on the CPU a ring packs expanded (the default there), computing "
-    "the indices in the apply being about 2x slower"
+    "what a GPU ring packs; on the CPU a ring packs expanded, the default there (4,096 "
+    "writes, 10 chained, JAX's own pool, a 2-core CPU: 181 µs expanded, 329 µs unexpanded)"
 )
 
 
