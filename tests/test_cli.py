@@ -164,7 +164,7 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
                 # --quick judges no full-size target, only bounds that hold at any size.
                 assert row["met"] is None or row["size_independent"], row
     assert "MISSED" not in result.stdout
-    assert "not judged at quick sizes" in result.stdout
+    assert "not judged: quick sizes" in result.stdout
     # The direction, above the tables (each table's ratio column says it too, wrapped).
     assert "Every ratio is jaxbuf ÷ baseline: below 1, jaxbuf is faster" in result.stdout
     # Every suite that ran prints a table with its name; the others are listed with a reason.
@@ -385,7 +385,7 @@ def test_a_row_whose_baseline_was_skipped_is_never_missed():
     row = Row("grow", 1e-3, "torch realloc+copy", None, notes="skipped: torch is not installed")
     row.target, row.met = "<= 0.001x", False  # what a suite computes from a missing ratio
     assert row.baseline_skipped and row.judged is None
-    assert row.verdict == "<= 0.001x not judged" and "MISSED" not in row.verdict
+    assert row.verdict == "<= 0.001x not judged (baseline not measured)"
     assert row.to_json()["met"] is None
     measured = Row("grow", 1e-3, "torch realloc+copy", 0.5, target="<= 0.001x", met=False)
     assert measured.verdict == "<= 0.001x MISSED" and measured.to_json()["met"] is False
@@ -511,7 +511,9 @@ def test_plot_without_a_path_writes_results_growth_device_png(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     plot = tmp_path / "results" / "growth-cpu.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "results" / "bench-cpu.json").is_file()
+    # --only writes its own result, never the full run's bench-cpu.json.
+    assert (tmp_path / "results" / "bench-cpu-extensible.growth.json").is_file()
+    assert not (tmp_path / "results" / "bench-cpu.json").exists()
     assert f"plot: {Path('results') / 'growth-cpu.png'}" in result.stdout
 
 
@@ -575,7 +577,7 @@ def test_cpu_run_skips_lists_and_labels(tmp_path, capsys, temporary_suites):
     assert "skipped here (2 of 3 suites):" in out
     assert "  test_cli.gpu_only: needs a CUDA GPU: a GPU measurement" in out
     assert "  test_cli.interpreted: off a GPU its kernels run under Triton's interpreter" in out
-    assert "<= 0.5x ok" in out and "<= 0.5x MISSED" in out  # full sizes: judged
+    assert re.search(r"<= 0\.5x +ok", out) and re.search(r"<= 0\.5x +MISSED", out)
     document = json.loads(json_path.read_text())
     assert document["interpreter"] is False
     assert document["ratio"].startswith("median_s / baseline_median_s (jaxbuf ÷ baseline")
@@ -587,7 +589,8 @@ def test_cpu_run_skips_lists_and_labels(tmp_path, capsys, temporary_suites):
     assert main([*argv, "--interpreter"]) == 0
     out = capsys.readouterr().out
     assert "Triton interpreter figures: they time the interpreter, not jaxbuf" in out
-    assert "<= 1x not judged (interpreter)" in out and "<= 1x MISSED" not in out
+    assert re.search(r"<= 1x +not judged: interpreter", out)
+    assert "missed: test_cli.interpreted" not in out
     interpreted = json.loads(json_path.read_text())["suites"][2]
     assert interpreted["interpreter"] is True
     (row,) = interpreted["rows"]
@@ -600,7 +603,8 @@ def test_quick_runs_report_targets_without_judging_them(tmp_path, capsys, tempor
     assert main([*argv, "--json", str(tmp_path / "quick.json")]) == 0
     out = capsys.readouterr().out
     assert "(quick: small sizes, targets not judged at quick sizes)" in out
-    assert out.count("<= 0.5x not judged at quick sizes") == 2 and "MISSED" not in out
+    assert len(re.findall(r"<= 0\.5x +not judged: quick sizes", out)) == 2
+    assert "MISSED" not in out and "missed:" not in out
     rows = json.loads((tmp_path / "quick.json").read_text())["suites"][0]["rows"]
     assert [(r["met"], r["target_reached"], r["at_quick_sizes"]) for r in rows] == [
         (None, True, True),
@@ -633,12 +637,173 @@ def test_one_line_per_suite_when_stdout_is_not_a_terminal(tmp_path, capsys, temp
 
 def test_the_ratio_column_says_its_direction():
     from jaxbuf.bench import RATIO
-    from jaxbuf.cli._bench import RATIO_COLUMN, _row_cells
+    from jaxbuf.cli._report import RATIO_COLUMN, RATIO_LINE, suite_table
 
-    assert RATIO == "jaxbuf ÷ baseline"
-    assert RATIO_COLUMN == "jaxbuf ÷ baseline (lower is better)"
-    cells = _row_cells(Row("x", 3e-6, "base", 1e-6, interpreter=True, notes="n"))
-    assert cells[4] == "3x" and cells[6] == "Triton interpreter; n"
+    assert RATIO == RATIO_COLUMN == "jaxbuf ÷ baseline"
+    assert "lower is better" in RATIO_LINE
+    columns, cells, under = suite_table(
+        [Row("x", 3e-6, "base", 1e-6, interpreter=True, notes="n")], "cpu"
+    )
+    assert columns[4] == RATIO_COLUMN and cells[0][4] == "3x"
+    # One row: every note is shared, printed once under the table.
+    assert under == [
+        "  every row: Triton interpreter figures: they time the interpreter, not jaxbuf; n"
+    ]
+
+
+# -- footnotes, the legend, the tally, stable verdicts, --only's file, the exit status ------
+def test_each_note_is_one_footnote_that_rows_point_at():
+    from jaxbuf.cli._report import suite_table
+
+    rows = [
+        Row("a", 1e-6, "seed-style x", 2e-6, notes="shared; first"),
+        Row("b", 1e-6, "seed-style x", 2e-6, notes="shared; second; first"),
+        Row("c", 1e-6, "torch y", 2e-6, notes="shared"),
+        Row("d", 1e-6, "torch y", 2e-6, target="<= 1x", met=True, not_judged_here="GPU only"),
+    ]
+    rows[2].notes, rows[3].notes = "shared", "shared"
+    _, cells, under = suite_table(rows, "cpu")
+    assert [c[0] for c in cells] == ["a [1]", "b [1,2]", "c", "d"]
+    assert cells[3][6] == "not judged here [3]"
+    assert under == [
+        "  [1] first",
+        "  [2] second",
+        "  [3] not judged on cpu: GPU only",
+        "  every row: shared",
+    ]
+
+
+def test_the_legend_defines_each_baseline_kind_the_run_used():
+    from jaxbuf.bench import BASELINE_KINDS, baseline_kind
+    from jaxbuf.cli._report import legend
+
+    assert baseline_kind("seed-style (granule set)") == "seed-style"
+    assert baseline_kind("raw create+map+set_access (floor)") == "floor"
+    assert baseline_kind("torch realloc+copy") == "realloc+copy"
+    assert baseline_kind("plain JAX: numpy index build (host)") == "plain JAX"
+    assert baseline_kind("something new") == "other" and baseline_kind("") == ""
+    lines = legend([Row("a", 1.0, "seed-style x", 1.0), Row("b", 1.0, "torch y", 1.0)])
+    assert lines[1:] == [
+        f"  seed-style  {BASELINE_KINDS['seed-style']}",
+        f"  torch       {BASELINE_KINDS['torch']}",
+    ]
+    assert legend([Row("a", 1.0)]) == []
+
+
+def test_every_baseline_of_the_registered_suites_names_a_known_kind():
+    from jaxbuf.bench import baseline_kind
+
+    # The baseline names as the suites spell them (a literal after the row's median).
+    sources = (REPO / "jaxbuf" / "bench").glob("*.py")
+    literals = re.compile(r'Row\(\s*[^,]+,\s*[^,]+,\s*f?"([^"]+)"')
+    names = {m for path in sources for m in literals.findall(path.read_text())}
+    assert len(names) > 20
+    # A name built from a variable ("{_LABELS[...]}, median step") is checked by the runs.
+    unknown = sorted(n for n in names if baseline_kind(n) == "other" and n[0] != "{")
+    assert unknown == [], unknown
+
+
+def test_a_bound_inside_the_spread_is_not_judged():
+    from jaxbuf.bench import ratio_spread, time_spread
+
+    row = Row("r", 1.1e-6, "b", 1e-6, target="<= 1.2x", met=True, limit=1.2)
+    row.spread = (0.9, 1.3)  # a repeat could land on either side of 1.2
+    assert row.too_close and row.judged is None
+    assert row.verdict == "<= 1.2x not judged (within the spread)"
+    assert row.to_json()["spread"] == [0.9, 1.3] and row.to_json()["met"] is None
+    row.spread = (0.9, 1.1)
+    assert not row.too_close and row.judged is True
+    assert ratio_spread([1.0, 2.0, 3.0], [1.0, 1.0, 1.0], paired=True) == (1.5, 2.5)
+    low, high = ratio_spread([2.0] * 4, [1.0, 1.0, 2.0, 2.0])
+    assert low < 2.0 / 1.5 < high
+    assert time_spread([3.0]) == (3.0, 3.0)
+    with pytest.raises(ValueError, match="as many"):
+        ratio_spread([1.0], [1.0, 2.0], paired=True)
+
+
+def test_the_tally_counts_met_missed_and_not_judged_with_the_reasons():
+    from jaxbuf.cli._report import tally, tally_lines
+
+    class Named:
+        name = "s"
+
+    rows = [
+        Row("met", 1.0, "b", 2.0, target="<= 1x", met=True),
+        Row("missed", 2.0, "b", 1.0, target="<= 1x", met=False),
+        Row("gpu", 2.0, "b", 1.0, target="<= 1x", met=False, not_judged_here="a GPU target"),
+        Row("quick", 2.0, "b", 1.0, target="<= 1x", met=False, at_quick_sizes=True),
+        Row("quick2", 2.0, "b", 1.0, target="<= 1x", met=True, at_quick_sizes=True),
+        Row("no target", 2.0, "b", 1.0),
+    ]
+    counts = tally([{"suite": Named(), "rows": rows}], "cpu")
+    assert counts["met"] == 1 and [r.name for _, r in counts["missed"]] == ["missed"]
+    lines = tally_lines(counts, strict=False)
+    assert lines[0] == "cpu: 1 targets met, 1 missed, 3 not judged here:"
+    assert lines[1].startswith("  2 quick sizes: targets are set for full sizes")
+    assert lines[2] == "  1 not judged on cpu: a GPU target"
+    assert lines[3] == "  missed: s: missed: 2x, target <= 1x"
+    assert "exit 0" in lines[4] and "--strict" in lines[4]
+    assert "exit 1" in tally_lines(counts, strict=True)[-1]
+
+
+def test_only_writes_its_own_result_file():
+    from jaxbuf.cli._bench import _default_json_path
+    from jaxbuf.devices import Device
+
+    cpu = Device("cpu")
+    assert _default_json_path(cpu) == Path("results/bench-cpu.json")
+    assert _default_json_path(cpu, ["uva"]) == Path("results/bench-cpu-uva.json")
+    assert _default_json_path(cpu, ["jax.staged", "uva", "uva"]) == Path(
+        "results/bench-cpu-jax.staged+uva.json"
+    )
+    assert _default_json_path(cpu, ["a/b"]) == Path("results/bench-cpu-a_b.json")
+
+
+def test_exit_status_missed_targets_fail_only_with_strict(tmp_path, capsys, temporary_suites):
+    _register_cpu_suites([])  # test_cli.plain misses one of its two targets
+
+    @suite("test_cli.broken")
+    def broken(device, quick):
+        yield Sizes("1 row")
+        raise RuntimeError("a bug in the suite")
+
+    argv = ["bench", "--device", "cpu", "--json", str(tmp_path / "r.json"), "--only"]
+    assert main([*argv, "test_cli.plain"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu: 1 targets met, 1 missed, 0 not judged here." in out
+    assert "missed: test_cli.plain: slow: 4x, target <= 0.5x" in out
+    tallied = json.loads((tmp_path / "r.json").read_text())["tally"]
+    assert tallied == {"met": 1, "missed": ["test_cli.plain: slow"], "not_judged": {}}
+    assert main([*argv, "test_cli.plain", "--strict"]) == 1
+    assert main([*argv, "test_cli.plain", "--quick", "--strict"]) == 0  # nothing judged
+    capsys.readouterr()
+    assert main([*argv, "test_cli.broken"]) == 1  # a failed suite fails the run
+    assert "test_cli.broken FAILED: RuntimeError: a bug in the suite" in capsys.readouterr().out
+
+
+def test_help_documents_the_exit_status_and_the_interpreters_cost(capsys):
+    from jaxbuf.cli._bench import INTERPRETER_COST
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    words = " ".join(capsys.readouterr().out.split())
+    assert "exit status: 0 when every selected suite ran" in words
+    assert "--strict when a target was missed" in words
+    assert f"slow: {INTERPRETER_COST}" in words
+    assert "results/bench-<device>-<names>.json" in words
+
+
+def test_interpreter_runs_state_their_cost_up_front(tmp_path, capsys, temporary_suites):
+    from jaxbuf.cli._bench import INTERPRETER_COST
+
+    _register_cpu_suites([])
+    argv = ["bench", "--device", "cpu", "--only", "test_cli.interpreted"]
+    assert main([*argv, "--json", str(tmp_path / "r.json"), "--interpreter"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (
+        f"--interpreter: test_cli.interpreted run under Triton's interpreter here, "
+        f"{INTERPRETER_COST}; their figures time the interpreter and are never judged"
+    )
 
 
 # -- plots: jaxbuf on top, legends outside, sizes in binary units, no interpreter figures ----

@@ -64,25 +64,31 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import pkgutil
+import statistics
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "BASELINE_KINDS",
+    "NOT_JUDGED",
     "RATIO",
     "SUITES",
     "Row",
     "Sizes",
     "Suite",
     "SuiteSkipped",
+    "baseline_kind",
     "format_bytes",
     "format_seconds",
     "load_errors",
     "load_suites",
     "missing_dependency",
+    "ratio_spread",
     "require",
     "select_suites",
     "suite",
+    "time_spread",
 ]
 
 #: The extra of ``pip install 'jaxbuf[...]'`` that installs each optional module.
@@ -116,6 +122,15 @@ class Row:
     Targets are set for full sizes on a GPU: a row measured at ``--quick`` sizes
     (``at_quick_sizes``) or under Triton's interpreter (``interpreter``) is reported, never
     judged, unless its target holds at any size (``size_independent``: a memory bound).
+    ``not_judged_here`` says why this device cannot judge the target (a GPU target on the
+    CPU, and why the CPU differs); such a row is reported, never judged.
+
+    A row that measures something other than a time (bytes held) has ``median_s=None`` and
+    says what it measured in ``value``. ``limit`` is the target's bound in the unit of the
+    judged quantity (the ratio for an ``x`` target, seconds for a time) and ``spread`` that
+    quantity's interquartile range in this run (:func:`ratio_spread`, :func:`time_spread`):
+    when the bound lies inside the spread the verdict would flip between repeats, so the
+    row is not judged (:attr:`too_close`).
     """
 
     name: str
@@ -131,6 +146,10 @@ class Row:
     at_quick_sizes: bool = False
     interpreter: bool = False
     size_independent: bool = False
+    value: str = ""
+    not_judged_here: str = ""
+    limit: float | None = None
+    spread: tuple[float, float] | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -145,34 +164,61 @@ class Row:
         return bool(self.baseline_name) and self.baseline_median_s is None
 
     @property
+    def measured(self) -> bool:
+        """Whether the row holds a measurement: a time, or a ``value`` of another kind."""
+        return self.median_s is not None or bool(self.value)
+
+    @property
+    def too_close(self) -> bool:
+        """Whether the target's bound lies inside this run's spread of the judged quantity:
+        a repeat could land on either side of it, so the verdict would flip."""
+        if self.limit is None or self.spread is None:
+            return False
+        low, high = self.spread
+        return (low <= self.limit) != (high <= self.limit)
+
+    @property
+    def not_judged_reason(self) -> str:
+        """Why a row with a target is not judged (``""`` when it is, or has no target): one
+        of :data:`NOT_JUDGED` (a key, a short phrase), or :attr:`not_judged_here`."""
+        if not self.target:
+            return ""
+        if not self.measured or self.met is None:
+            return "not measured"
+        if self.baseline_skipped:
+            return "baseline not measured"
+        if self.not_judged_here:
+            return self.not_judged_here
+        if not self.size_independent:
+            if self.interpreter:
+                return "interpreter"
+            if self.at_quick_sizes:
+                return "quick sizes"
+        if self.too_close:
+            return "within the spread"
+        return ""
+
+    @property
     def judged(self) -> bool | None:
-        """``met``, or None where the row cannot be judged: no target, nothing measured, a
-        skipped baseline (no evidence that the target was missed), quick sizes or the
-        interpreter (the target is set for full sizes on a GPU)."""
-        if not self.target or self.median_s is None or self.baseline_skipped:
-            return None
-        if (self.at_quick_sizes or self.interpreter) and not self.size_independent:
+        """``met``, or None where the row cannot be judged (:attr:`not_judged_reason`): no
+        target, nothing measured, a skipped baseline (no evidence that the target was
+        missed), a target this device cannot judge, quick sizes or the interpreter (the
+        target is set for full sizes on a GPU), a bound inside the run's spread."""
+        if not self.target or self.not_judged_reason:
             return None
         return self.met
 
     @property
     def verdict(self) -> str:
-        """The target column: ``"<target> ok"``, ``"<target> MISSED"``, ``"<target> not
-        judged at quick sizes"``, ``"<target> not judged (interpreter)"``, ``"<target> not
-        judged"`` (see :attr:`judged`) or ``""`` without a target."""
+        """The target and its verdict in words: ``"<target> ok"``, ``"<target> MISSED"``,
+        ``"<target> not judged (<reason>)"`` (see :attr:`not_judged_reason`), ``""`` without
+        a target."""
         if not self.target:
             return ""
         judged = self.judged
         if judged is not None:
             return f"{self.target} {'ok' if judged else 'MISSED'}"
-        if self.met is None:
-            return self.target
-        if self.median_s is not None and not self.baseline_skipped:
-            if self.interpreter:
-                return f"{self.target} not judged (interpreter)"
-            if self.at_quick_sizes:
-                return f"{self.target} not judged at quick sizes"
-        return f"{self.target} not judged"
+        return f"{self.target} not judged ({self.not_judged_reason})"
 
     def to_json(self) -> dict[str, Any]:
         """Plain values: ``met`` is the judgement (:attr:`judged`), ``target_reached``
@@ -181,7 +227,112 @@ class Row:
         data["ratio"] = self.ratio
         data["target_reached"] = data.pop("met")
         data["met"] = self.judged
+        data["not_judged_reason"] = self.not_judged_reason or None
+        if self.spread is not None:
+            data["spread"] = list(self.spread)
         return data
+
+
+#: What each :attr:`Row.not_judged_reason` key means, for the closing tally's reader. A
+#: reason that is not a key is a :attr:`Row.not_judged_here`, which says it in full.
+NOT_JUDGED = {
+    "quick sizes": "targets are set for full sizes (--quick measures small ones)",
+    "interpreter": "Triton's interpreter times the interpreter, not jaxbuf",
+    "baseline not measured": "its baseline could not run here, so there is nothing to compare",
+    "not measured": "the row's own measurement could not run here",
+    "within the spread": "the bound lies inside the run's interquartile spread: a repeat "
+    "could land on either side of it",
+}
+
+#: The kinds of baseline, by the words a baseline's name starts with (:func:`baseline_kind`),
+#: and what each one is. The command prints those a run used, as a legend.
+BASELINE_KINDS = {
+    "floor": "the raw driver or copy calls the operation cannot avoid: the least it can cost",
+    "seed-style": "the vLLM seed's algorithm and data structures, re-implemented here and run "
+    "on the same memory (the seeds need vLLM's build)",
+    "torch": "what a torch user writes for the same result, in torch's own memory",
+    "plain JAX": "what a JAX user writes for the same result, in JAX's own memory",
+    "realloc+copy": "a buffer that grows by allocating the new size, copying, freeing the old",
+    "preallocated": "a buffer allocated at its largest size up front",
+    "NIXL": "NIXL used directly, on memory registered by hand",
+    "copy": "moving the bytes themselves (a memcpy, a socket send) instead of sharing them",
+    "jaxbuf": "jaxbuf itself at another size or state: how its cost scales",
+    "own memory": "the same read by a device of its own memory: no bus crossed",
+    "Triton": "Triton's own kernel launcher",
+    "serial": "the same writes applied one group after another (no overlap resolution)",
+    "other": "named in full in the baseline column",
+}
+
+# (prefix of a baseline name, lower case, its kind), the first match wins: ordered so that a
+# longer phrase ("seed-style ...", "torch realloc+copy") is tried before a shorter one.
+_KIND_PREFIXES = (
+    ("seed-style", "seed-style"),
+    ("raw ", "floor"),
+    ("floor", "floor"),
+    ("jaxbuf", "jaxbuf"),
+    ("stage_write", "jaxbuf"),
+    ("preallocated", "preallocated"),
+    ("realloc+copy", "realloc+copy"),
+    ("torch realloc+copy", "realloc+copy"),
+    ("jax realloc+copy", "realloc+copy"),
+    ("grow + ", "NIXL"),
+    ("nixl", "NIXL"),
+    ("np.copyto", "copy"),
+    ("re-send", "copy"),
+    ("copy ", "copy"),
+    ("read ", "own memory"),
+    ("cuda:", "own memory"),
+    ("triton", "Triton"),
+    ("host overlap test", "serial"),
+    ("plain jax", "plain JAX"),
+    ("jax", "plain JAX"),
+    ("torch", "torch"),
+    ("pin_memory", "torch"),
+)
+
+
+def baseline_kind(baseline_name: str) -> str:
+    """The :data:`BASELINE_KINDS` key of a baseline, from the words its name starts with
+    (``"seed-style (granule set)" -> "seed-style"``): ``""`` without a baseline, ``"other"``
+    for a name of no known kind (a new baseline names its kind first, or adds one here)."""
+    if not baseline_name:
+        return ""
+    lowered = baseline_name.lower()
+    for prefix, kind in _KIND_PREFIXES:
+        if lowered.startswith(prefix):
+            return kind
+    return "other"
+
+
+def _quartiles(samples: Sequence[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``samples`` (both the sample for one sample)."""
+    if not samples:
+        raise ValueError("no samples")
+    if len(samples) == 1:
+        return samples[0], samples[0]
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return q1, q3
+
+
+def time_spread(samples: Sequence[float]) -> tuple[float, float]:
+    """The interquartile range of a time's samples: where a repeat's median may fall."""
+    return _quartiles(samples)
+
+
+def ratio_spread(
+    samples: Sequence[float], baseline_samples: Sequence[float], *, paired: bool = False
+) -> tuple[float, float]:
+    """The range of jaxbuf ÷ baseline a repeat may give. ``paired``: the samples were taken
+    round by round (:func:`jaxbuf.bench._timing.round_by_round`), so the i-th of each shares
+    the machine's state: the quartiles of the per-round ratios. Otherwise the ratio of the
+    quartiles, crossed (jaxbuf's low over the baseline's high, and the reverse)."""
+    if paired:
+        if len(samples) != len(baseline_samples):
+            raise ValueError("paired samples must be as many on both sides")
+        return _quartiles([a / b for a, b in zip(samples, baseline_samples)])
+    low, high = _quartiles(samples)
+    baseline_low, baseline_high = _quartiles(baseline_samples)
+    return low / baseline_high, high / baseline_low
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ __all__ = [
     "measure",
     "measure_per_call",
     "round_by_round",
+    "round_by_round_samples",
 ]
 
 _NS = 1e-9
@@ -170,10 +171,13 @@ def measure_per_call(fn: Callable[[], Any], *, number: int, repeat: int, warmup:
     return Timing(statistics.median(samples), samples)
 
 
-def round_by_round(calls: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
-    """Median seconds of each of ``calls`` (already warmed up), sampled round by round: every
+def round_by_round_samples(
+    calls: dict[str, Callable[[], Any]], repeat: int
+) -> dict[str, list[float]]:
+    """Seconds of each of ``calls`` (already warmed up) in each of ``repeat`` rounds: every
     round calls each once, in an order reversed every other round, so that drift of the
-    machine's speed falls on all alike (the candidates of one target, compared as a ratio)."""
+    machine's speed falls on all alike. The i-th samples of two calls share a round: their
+    ratios pair up (:func:`jaxbuf.bench.ratio_spread` with ``paired=True``)."""
     samples: dict[str, list[float]] = {label: [] for label in calls}
     labels = list(calls)
     for i in range(repeat):
@@ -181,6 +185,13 @@ def round_by_round(calls: dict[str, Callable[[], Any]], repeat: int) -> dict[str
             start = time.perf_counter()
             calls[label]()
             samples[label].append(time.perf_counter() - start)
+    return samples
+
+
+def round_by_round(calls: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
+    """Median seconds of each of ``calls`` (already warmed up), sampled round by round
+    (:func:`round_by_round_samples`): the candidates of one target, compared as a ratio."""
+    samples = round_by_round_samples(calls, repeat)
     return {label: statistics.median(times) for label, times in samples.items()}
 
 

@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from jaxbuf.bench import Row, Sizes, SuiteSkipped, format_bytes, suite
-from jaxbuf.bench._timing import measure, round_by_round
+from jaxbuf.bench import Row, Sizes, SuiteSkipped, format_bytes, ratio_spread, suite
+from jaxbuf.bench._timing import measure, round_by_round_samples
 from jaxbuf.extensible import ExtensibleTensor, granule_size
 
 _KiB, _MiB = 1 << 10, 1 << 20
@@ -335,7 +336,10 @@ def _grow_rows(
 
         grow_followed(), grow_by_hand()  # warm-up: first-call costs on neither side
         # Round by round, so that drift of the host's speed falls on both sides of the target.
-        medians = round_by_round({"followed": grow_followed, "by hand": grow_by_hand}, repeat)
+        samples = round_by_round_samples(
+            {"followed": grow_followed, "by hand": grow_by_hand}, repeat
+        )
+        medians = {key: statistics.median(values) for key, values in samples.items()}
     finally:
         for handle in handles:
             agent.deregister(handle)
@@ -349,6 +353,8 @@ def _grow_rows(
         "grow + NIXL registering the new chunk",
         medians["by hand"],
         target="<= 1.2x",
+        limit=1.2,
+        spread=ratio_spread(samples["followed"], samples["by hand"], paired=True),
         params=params,
     )
     row.met = row.ratio is not None and row.ratio <= 1.2

@@ -49,7 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="platform, drivers, versions, granule sizes")
     info.set_defaults(handler=_info.run)
 
-    bench = commands.add_parser("bench", help="run the benchmark suites")
+    bench = commands.add_parser(
+        "bench",
+        help="run the benchmark suites",
+        description="Run the benchmark suites that mean something on the device: a table per "
+        "suite (notes as footnotes), the legend of baseline kinds, a closing tally of the "
+        "targets met, missed and not judged here (and why).",
+        epilog=_bench.EXIT_STATUS,
+    )
     bench.add_argument("--device", help=device_help)
     bench.add_argument(
         "--quick",
@@ -60,10 +67,19 @@ def _parser() -> argparse.ArgumentParser:
         "--interpreter",
         action="store_true",
         help="off a GPU, also run the suites whose Triton kernels run under Triton's "
-        "interpreter (their rows are labelled interpreter figures and never judged)",
+        "interpreter (their rows are labelled interpreter figures and never judged); "
+        f"slow: {_bench.INTERPRETER_COST}",
     )
     bench.add_argument(
-        "--json", metavar="PATH", help="result file (default: results/bench-<device>.json)"
+        "--json",
+        metavar="PATH",
+        help="result file (default: results/bench-<device>.json; with --only, "
+        "results/bench-<device>-<names>.json, the names joined by +)",
+    )
+    bench.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when a target is missed (by default a run that measured exits 0)",
     )
     bench.add_argument(
         "--plot",

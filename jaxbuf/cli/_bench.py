@@ -1,5 +1,6 @@
 """``jaxbuf bench``: run the suites of :mod:`jaxbuf.bench`, print a table per suite (its
-title states the sizes run), write the JSON result and, with ``--plot``, the plots: growth
+title states the sizes run, its notes are footnotes), the legend of the baseline kinds and a
+closing tally of the verdicts, write the JSON result and, with ``--plot``, the plots: growth
 cost (``extensible.growth``), the decode loop's memory and step time (``jax.decode``) and the
 staged apply's time against writes per pattern (``staged.patterns``).
 
@@ -8,8 +9,13 @@ missing, whose figures need a GPU (``gpu_only``), or whose kernels would run und
 interpreter (``interpreted``, unless ``--interpreter``) is skipped with its reason, listed
 at the end (never a traceback or ``FAILED``). Every ratio is jaxbuf ÷ baseline, lower is
 better; a row is judged against its target only at full sizes, outside the interpreter, with
-its baseline measured (:attr:`jaxbuf.bench.Row.verdict`). When stdout is not a terminal (a
-log, a pipe) each suite prints one line as it ends: its name, elapsed time and verdicts.
+its baseline measured, on a device the target is set for, and with its bound outside the
+run's spread (:attr:`jaxbuf.bench.Row.judged`). When stdout is not a terminal (a log, a
+pipe) each suite prints one line as it ends, and the tables are plain text.
+
+Exit status (:data:`EXIT_STATUS`): 0 when every selected suite ran or was skipped with its
+reason, missed targets included; 1 when a suite failed, or with ``--strict`` when a target
+was missed; 2 for a usage error (bad device, unknown suite, ``--plot`` without matplotlib).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _plots
+from ._report import RATIO_LINE, legend, suite_table, tally, tally_lines, verdict_counts
 from ._shared import (
     CliError,
     Printer,
@@ -35,9 +42,17 @@ from ._shared import (
     versions,
 )
 
-#: The ratio column's header: one direction for every suite.
-RATIO_COLUMN = "jaxbuf ÷ baseline (lower is better)"
 INTERPRETER_LABEL = "Triton interpreter figures: they time the interpreter, not jaxbuf"
+#: What --interpreter costs off a GPU: staged.patterns and staged.overlap under Triton's
+#: interpreter took about 10 minutes on a 2-core CPU (the rest of the CPU run under 2).
+INTERPRETER_COST = "about 10 minutes on a 2-core CPU"
+
+#: The command's exit statuses, for ``--help`` and the module docstring.
+EXIT_STATUS = (
+    "exit status: 0 when every selected suite ran or was skipped with its reason, missed "
+    "targets included; 1 when a suite failed, or with --strict when a target was missed; "
+    "2 for a usage error (bad device, unknown suite, --plot without matplotlib)"
+)
 
 
 def _device_file_name(device: Any) -> str:
@@ -45,29 +60,15 @@ def _device_file_name(device: Any) -> str:
     return device.platform if device.index == 0 else f"{device.platform}{device.index}"
 
 
-def _default_json_path(device: Any) -> Path:
-    return Path("results") / f"bench-{_device_file_name(device)}.json"
-
-
-def _row_cells(row: Any) -> list[str]:
-    from jaxbuf.bench import format_seconds
-
-    ratio = row.ratio
-    notes = ["Triton interpreter"] if row.interpreter else []
-    notes += [row.notes] if row.notes else []
-    if row.device_median_s is not None:
-        notes.append(f"device {format_seconds(row.device_median_s)}")
-    if row.baseline_device_median_s is not None:
-        notes.append(f"baseline device {format_seconds(row.baseline_device_median_s)}")
-    return [
-        row.name,
-        format_seconds(row.median_s),
-        row.baseline_name or "—",
-        format_seconds(row.baseline_median_s),
-        "—" if ratio is None else f"{ratio:,.3g}x",
-        row.verdict,
-        "; ".join(notes),
-    ]
+def _default_json_path(device: Any, only: list[str] | None = None) -> Path:
+    """``results/bench-<device>.json`` for the full run; a run of ``--only`` suites writes
+    its own file, ``results/bench-<device>-<names>.json`` (names joined by ``+``), so it
+    never overwrites the full run's."""
+    stem = f"bench-{_device_file_name(device)}"
+    if only:
+        names = "+".join(dict.fromkeys(only))
+        stem += "-" + "".join(c if c.isalnum() or c in "._+-" else "_" for c in names)
+    return Path("results") / f"{stem}.json"
 
 
 def _run_suite(
@@ -111,19 +112,6 @@ def _suite_title(result: dict[str, Any]) -> str:
     return f"{title} ({result['seconds']:.1f} s)"
 
 
-def verdict_counts(rows: list[Any]) -> str:
-    """``"12 rows: 3 ok, 1 MISSED, 2 not judged"``: the verdicts of one suite's rows."""
-    counts = {"ok": 0, "MISSED": 0, "not judged": 0}
-    for row in rows:
-        if not row.target:
-            continue
-        judged = row.judged
-        counts["not judged" if judged is None else "ok" if judged else "MISSED"] += 1
-    words = [f"{n} {label}" for label, n in counts.items() if n]
-    text = f"{len(rows)} row{'s' if len(rows) != 1 else ''}"
-    return f"{text}: {', '.join(words)}" if words else f"{text}, no target"
-
-
 def _suite_line(index: int, total: int, result: dict[str, Any]) -> str:
     """The line a suite prints as it ends when stdout is not a terminal."""
     head = f"[{index}/{total}] {result['suite'].name} ({result['seconds']:.1f} s)"
@@ -157,20 +145,29 @@ def run(args: argparse.Namespace) -> int:
         # yet); a user's setting wins. The JSON records it under "environment".
         os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
         _warn_of_shared_allocator(runnable)
-    out = Printer()
+    # On a terminal the progress bar shows what runs and rich draws the tables; in a log or
+    # a pipe, one line per suite as it ends, and plain-text tables.
+    lines_per_suite = not sys.stdout.isatty()
+    out = Printer(plain=lines_per_suite)
     for module, message in bench.load_errors.items():
         print(
             f"jaxbuf: warning: benchmark module {module} failed to import: {one_line(message)}",
             file=sys.stderr,
         )
     quick = " (quick: small sizes, targets not judged at quick sizes)" if args.quick else ""
-    out.line(f"jaxbuf bench on {device}{quick}: {len(suites)} suite(s)")
-    out.line(f"Every ratio is {bench.RATIO}: below 1, jaxbuf is faster (lower is better).")
+    start_load = _one_minute_load()
+    load = "" if start_load is None else f"; load {start_load:.1f} on {os.cpu_count()} cores"
+    out.line(f"jaxbuf bench on {device}{quick}: {len(suites)} suite(s){load}")
+    interpreted = [s.name for s in runnable if s.uses_interpreter(device)]
+    if interpreted:
+        out.line(
+            f"--interpreter: {', '.join(interpreted)} run under Triton's interpreter here, "
+            f"{INTERPRETER_COST}; their figures time the interpreter and are never judged"
+        )
+    out.line(RATIO_LINE)
 
     started = datetime.datetime.now(datetime.timezone.utc)
     results: list[dict[str, Any]] = []
-    # On a terminal the progress bar shows what runs; in a log or a pipe, one line per suite.
-    lines_per_suite = not sys.stdout.isatty()
     progress = Progress(len(suites), "benchmarks")
     try:
         for index, suite in enumerate(suites, 1):
@@ -184,15 +181,20 @@ def run(args: argparse.Namespace) -> int:
     if lines_per_suite:
         out.line()
 
-    columns = ["name", "median", "baseline", "baseline median", RATIO_COLUMN, "target", "notes"]
+    device_name = _device_file_name(device)
+    all_rows = [row for result in results for row in result["rows"]]
+    for line in legend(all_rows):
+        out.line(line)
+    if all_rows:
+        out.line()
     for result in results:
         name = result["suite"].name
         if result["skipped"] is not None and not result["rows"]:
             out.line(f"{name}: skipped: {result['skipped']}")
             out.line()
             continue
-        rows = [_row_cells(row) for row in result["rows"]]
-        out.table(_suite_title(result), columns, rows, right=(1, 3, 4))
+        columns, cells, under = suite_table(result["rows"], device_name)
+        out.table(_suite_title(result), columns, cells, right=(1, 3, 4), under=under)
         if result["skipped"] is not None:
             out.line(f"  {name} stopped early, skipped: {result['skipped']}")
         if result["error"]:
@@ -223,8 +225,16 @@ def run(args: argparse.Namespace) -> int:
         "ratio": f"median_s / baseline_median_s ({bench.RATIO}, lower is better)",
         "suites": serial,
         "load_errors": dict(bench.load_errors),
+        # Other work on the machine moves the figures: the 1-minute load at start and end.
+        "load_average": {"start": start_load, "end": _one_minute_load()},
     }
-    json_path = Path(args.json) if args.json else _default_json_path(device)
+    counts = tally(results, device_name)
+    document["tally"] = {
+        "met": counts["met"],
+        "missed": [f"{suite_name}: {row.name}" for suite_name, row in counts["missed"]],
+        "not_judged": dict(counts["not_judged"]),
+    }
+    json_path = Path(args.json) if args.json else _default_json_path(device, args.only)
     import json
 
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -234,11 +244,23 @@ def run(args: argparse.Namespace) -> int:
         out.line(f"skipped here ({len(skipped)} of {len(results)} suites):")
         for r in skipped:
             out.line(f"  {r['suite'].name}: {r['skipped']}")
+    for line in tally_lines(counts, strict=args.strict):
+        out.line(line)
     out.line(f"results: {json_path}")
     if args.plot is not None:
         for path in _plots.write_plots(serial, args.plot, device, _device_file_name(device)):
             out.line(f"plot: {path}")
-    return 1 if any(r["error"] for r in results) else 0
+    failed = any(r["error"] for r in results)
+    return 1 if failed or (args.strict and counts["missed"]) else 0
+
+
+def _one_minute_load() -> float | None:
+    """The machine's 1-minute load average (None where the platform has none): a shared
+    machine's figures move with it, so the header and the JSON state it."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def _warn_of_shared_allocator(suites: list) -> None:

@@ -31,10 +31,13 @@ class CliError(Exception):
 
 
 class Printer:
-    """Tables and lines through rich when it is installed, plain text otherwise."""
+    """Tables and lines through rich when it is installed, plain text otherwise (or when
+    ``plain``: a log reads better without box drawing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, plain: bool = False) -> None:
         try:
+            if plain:
+                raise ImportError("plain text asked for")
             import rich.console
         except ImportError:
             self.console = None
@@ -59,8 +62,10 @@ class Printer:
         columns: Sequence[str],
         rows: Sequence[Sequence[str]],
         right: Sequence[int] = (),
+        under: Sequence[str] = (),
     ) -> None:
-        """Print a table; ``right`` lists the indices of right-aligned (numeric) columns."""
+        """Print a table; ``right`` lists the indices of right-aligned (numeric) columns,
+        ``under`` the lines printed under it (footnotes)."""
         show_header = any(columns)
         if self.console is not None:
             import rich.table
@@ -76,6 +81,9 @@ class Printer:
             for row in rows:
                 table.add_row(*(rich.text.Text(str(cell)) for cell in row))
             self.console.print(table)
+            for text in under:
+                self.line(text)
+            self.line()
             return
         widths = [max(len(str(c)) for c in column) for column in zip(columns, *rows)]
         print(title)
@@ -86,6 +94,8 @@ class Printer:
                 for i, (c, w) in enumerate(zip(cells, widths))
             )
             print("  ".join(padded).rstrip())
+        for text in under:
+            print(text)
         print()
 
 
