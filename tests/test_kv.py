@@ -400,6 +400,14 @@ def test_bad_buffers_construction():
         tensor.free()
 
 
+def test_the_package_examples_run():
+    import doctest
+
+    import jaxbuf.kv
+
+    assert doctest.testmod(jaxbuf.kv).failed == 0
+
+
 def test_freed_buffers_refuse_everything():
     flat, kv, _ = _allocate("cpu", "layer_compact")
     kv.free()

@@ -125,10 +125,16 @@ def test_the_step_checks_what_fn_returns_and_refuses_once_closed():
         kv.free()
 
 
-def test_a_step_in_flight_reads_the_old_values():
-    """On the CPU the upload waits for the steps JAX dispatched: one still running when the
-    host changes a value and syncs computes with the value it was dispatched with."""
-    table = DeviceParamTable(4, {"scale": "float32"}, "cpu")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_step_in_flight_reads_the_old_values(device):
+    """A step still running when the host changes a value and syncs computes with the value
+    it was dispatched with, and the next step sees the new one: on the CPU the upload waits
+    for the steps JAX dispatched; on CUDA the copy is ordered on the legacy default stream,
+    after the work on JAX's stream and before what JAX enqueues later."""
+    if device == "cuda" and jax.default_backend() != "gpu":
+        pytest.skip(f"JAX has no GPU backend here (default backend {jax.default_backend()})")
+    size, rounds = (384, 30) if device == "cpu" else (4096, 200)
+    table = DeviceParamTable(4, {"scale": "float32"}, device)
     try:
         table["scale"].np[:] = 1.0
         table.sync()
@@ -136,10 +142,10 @@ def test_a_step_in_flight_reads_the_old_values():
 
         @jax.jit
         def slow(p, x):
-            x = jax.lax.fori_loop(0, 30, lambda _, y: jnp.tanh(y @ y), x)
+            x = jax.lax.fori_loop(0, rounds, lambda _, y: jnp.tanh(y @ y), x)
             return x.sum() * 0 + p["scale"]
 
-        x = jnp.full((384, 384), 1e-3, jnp.float32)
+        x = jax.device_put(jnp.full((size, size), 1e-3, jnp.float32), params["scale"].device)
         slow(params, x).block_until_ready()  # compiled
         out = slow(params, x)  # dispatched, still running
         table["scale"].np[:] = 2.0

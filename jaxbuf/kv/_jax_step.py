@@ -133,12 +133,12 @@ class KVCacheStep:
     def _write_back(self, updated: list[Any]) -> None:
         """Copy each output's committed blocks into the buffer (JAX made a new array)."""
         committed = self.kv.num_blocks_committed
-        driver = self.kv.buffers[0][0].driver
         for view, array, block_bytes in zip(self._views, updated, self._layer_block_bytes):
             array.block_until_ready()
             nbytes = committed * block_bytes
             if nbytes:
-                driver.copy(view.ptr, array.unsafe_buffer_pointer(), nbytes, view.device.index)
+                source = array.unsafe_buffer_pointer()
+                view.owner.driver.copy(view.ptr, source, nbytes, view.device.index)
 
     @property
     def caches(self) -> list[Any]:

@@ -166,9 +166,12 @@ class DeviceParamTable:
     nothing. Changes are found by comparing the host table with the last snapshot uploaded
     (one ``memcmp`` of the table's bytes). The snapshot sits in one of ``max_concurrency``
     pinned staging slots, rewritten only once its copy is done (an event). A step in flight
-    keeps reading the old values: on CUDA the copy is stream-ordered after the work already
-    enqueued on blocking streams (torch's and JAX's default streams are), on the CPU the
-    frameworks' pending work is waited for before the copy.
+    keeps reading the old values: on CUDA the copy goes on the driver's producer stream (the
+    legacy default stream, as every jaxbuf producer write), ordered after the work already
+    enqueued on blocking streams (torch's and JAX's default streams are) and before what
+    they enqueue later; a consumer on a non-blocking stream exports the field again
+    (``gpu.to_torch()`` orders it after the last upload). On the CPU the frameworks' pending
+    work is waited for before the copy.
 
     Not thread-safe. Not picklable or copyable. :meth:`close` (or ``free``) means done;
     arrays over the device table keep its memory while they live.
