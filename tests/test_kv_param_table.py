@@ -156,6 +156,15 @@ def test_bad_input_allocates_nothing(args, kwargs, error, match):
     assert driver.call_count == 0
 
 
+def test_a_failed_construction_releases_what_it_made():
+    driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+    driver.fail_on("host_alloc", nth=2)  # the second staging slot
+    with pytest.raises(DriverError):
+        DeviceParamTable(4, FIELDS, "cpu", max_concurrency=3, driver=driver)
+    assert driver.calls["host_free"] == 1
+    assert driver.calls["unmap"] == driver.calls["map"]
+
+
 def test_unknown_field_raises_key_error_naming_the_fields():
     with DeviceParamTable(2, FIELDS, "cpu") as table:
         with pytest.raises(KeyError, match="temperature"):

@@ -45,6 +45,11 @@ def _check_entries(buffers: Any, capacity: int) -> list[tuple[ExtensibleTensor, 
             )
         if any(tensor is other for other, _ in entries):
             raise ValueError(f"buffers[{i}] repeats a tensor already in the list")
+        if entries and tensor.device != entries[0][0].device:
+            raise ValueError(
+                f"buffers[{i}] is on {tensor.device}, buffers[0] on {entries[0][0].device}: "
+                "one KV cache lives on one device"
+            )
         entries.append((tensor, block_bytes))
     return entries
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import interop
 from .._checks import as_count, as_max_concurrency
-from .._errors import Cleanup, ClosedError
+from .._errors import Cleanup, ClosedError, attempt
 from .._resolve import resolve
 from ..devices import Device, DeviceLike
 from ..drivers.base import VmmDriver
@@ -229,6 +229,13 @@ class DeviceParamTable:
             slot_type=_StagingSlot,
             name="DeviceParamTable",
         )
+        try:  # every slot now: the first uploads stay cheap, a failure shows here
+            for slot in self._ring.slots:
+                self._ring.grow(slot, nbytes)
+        except BaseException as error:
+            attempt(error, "closing the staging slots", self._ring.close)
+            attempt(error, "freeing the device table", tensor.free)
+            raise
         # The bytes the device holds (zeros until the first upload); None: unknown, after a
         # failed upload, so the next sync uploads whatever the host holds. Compared as
         # bytes: one copy and a memcmp, faster than numpy's comparisons at table sizes.
@@ -303,10 +310,7 @@ class DeviceParamTable:
     def _upload(self, current: bytes) -> None:
         ring, index = self._ring, self._next
         slot = ring.slots[index]
-        if slot.buffer is None:
-            ring.grow(slot, self.nbytes)
-        else:
-            ring.wait(slot, index)
+        ring.wait(slot, index)
         slot.host[:] = np.frombuffer(current, np.uint8)
         driver, device = self._driver, self.device
         slot.guard = UNRECORDED  # the copy may read it from now on
