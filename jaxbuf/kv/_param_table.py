@@ -199,8 +199,8 @@ class DeviceParamTable:
         tensor = ExtensibleTensor(nbytes, device, driver=driver)
         try:
             tensor.resize_per_segment_(nbytes, zero_new=True)
-        except BaseException:
-            tensor.free()
+        except BaseException as error:
+            attempt(error, "freeing the device table", tensor.free)
             raise
         self._tensor = tensor
         self._owner = _TableOwner(tensor)
