@@ -12,6 +12,7 @@ from ._errors import ByteOrderError, ClosedError
 from .devices import Device, DeviceLike, as_device, default_device
 from .dtypes import DType, DTypeLike, canonical_dtype
 from .extensible import ExtensibleTensor, granule_size
+from .kv import DeviceParamTable, ExtensibleKVCacheBuffers, ExtensibleKVCacheBuilder
 from .staged import FusedStagedWriter, StagedWriteTensor
 from .uva import (
     NonUvaBuffer,
@@ -35,6 +36,9 @@ __all__ = [
     "DeviceLike",
     "DType",
     "DTypeLike",
+    "DeviceParamTable",
+    "ExtensibleKVCacheBuffers",
+    "ExtensibleKVCacheBuilder",
     "ExtensibleTensor",
     "FusedStagedWriter",
     "NonUvaBuffer",

@@ -1,9 +1,10 @@
 """The architecture, pinned: which module may import what, and adding a framework is one file.
 
 * The library proper (``jaxbuf/`` minus the framework adapters of ``jaxbuf/interop/``, the
-  benchmarks, the demo and the CLI) imports no torch, JAX or Triton, except that the JAX wing
-  of staged writes (``jaxbuf/staged/_jax_*``) imports JAX; the kernels of ``kernels/``
-  (installed as ``jaxbuf.kernels``) may, and only they may import Triton.
+  benchmarks, the demo and the CLI) imports no torch, JAX or Triton, except that the JAX wings
+  of staged writes and of the KV cache (``jaxbuf/staged/_jax_*``, ``jaxbuf/kv/_jax_*``)
+  import JAX; the kernels of ``kernels/`` (installed as ``jaxbuf.kernels``) may, and only
+  they may import Triton.
 * ``kernels/`` takes pointers and arrays: it imports no jaxbuf owner (buffers, views, staged
   writes, framework adapters).
 * No module of ``jaxbuf/`` or ``kernels/`` is over 600 lines.
@@ -159,8 +160,9 @@ def _library_proper() -> list[str]:
 
 
 def _is_jax_wing(name: str) -> bool:
-    """The JAX wing of staged writes: the one place outside the adapters that imports JAX."""
-    return name.startswith("jaxbuf.staged._jax_")
+    """The JAX wings of staged writes and of the KV cache: the only places outside the
+    adapters that import JAX."""
+    return name.startswith(("jaxbuf.staged._jax_", "jaxbuf.kv._jax_"))
 
 
 #: What kernels/ must not import: every owner of memory or arrays, and the adapters.

@@ -1,0 +1,368 @@
+"""Per-request scalars at a fixed device address, uploaded only when they change
+(:class:`DeviceParamTable`)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import interop
+from .._checks import as_count, as_max_concurrency
+from .._errors import Cleanup, ClosedError, attempt
+from .._resolve import resolve
+from ..devices import Device, DeviceLike
+from ..drivers.base import VmmDriver
+from ..dtypes import DType, canonical_dtype
+from ..extensible import ExtensibleTensor
+from ..uva import UvaBuffer
+from ..uva._slots import UNRECORDED, DeviceEvent, PinnedSlot, PinnedSlotRing
+from ..views import BufferView
+
+__all__ = ["FIELD_ALIGNMENT", "DeviceParamTable", "ParamField"]
+
+#: Every field starts at a multiple of this many bytes of the table: 8 is what any scalar
+#: needs; 64 is what JAX needs to import host memory (the CPU driver's) without a copy.
+FIELD_ALIGNMENT = 64
+
+
+class ParamField:
+    """One column of a :class:`DeviceParamTable`: ``np`` (``num_rows`` host values, the
+    source of truth, written freely) and ``gpu`` (a :class:`~jaxbuf.BufferView` of the same
+    column in device memory: what the last :meth:`DeviceParamTable.sync` uploaded)."""
+
+    __slots__ = ("name", "dtype", "offset", "np", "gpu")
+
+    def __init__(self, name: str, dtype: DType, offset: int, host: np.ndarray, gpu: BufferView):
+        self.name, self.dtype, self.offset = name, dtype, offset
+        self.np = host
+        self.gpu = gpu
+
+    def __repr__(self) -> str:
+        return f"ParamField({self.name!r}, {self.dtype}, rows={len(self.np)}, offset={self.offset})"
+
+
+class _TableOwner:
+    """Owner of the field views (:class:`jaxbuf._owner.MemoryOwner`): the device table's
+    memory, ordered after the last upload (its ``ready_event``)."""
+
+    __slots__ = ("tensor", "event", "closed")
+
+    def __init__(self, tensor: ExtensibleTensor) -> None:
+        self.tensor = tensor
+        self.event: DeviceEvent | None = None  # the last upload's
+        self.closed = False
+
+    @property
+    def device(self) -> Device:
+        return self.tensor.device
+
+    @property
+    def driver(self) -> VmmDriver:
+        return self.tensor.driver
+
+    @property
+    def ready_event(self) -> Any:
+        event = self.event
+        return self.tensor.ready_event if event is None else event.handle
+
+    def check_exportable(self) -> None:
+        if self.closed:
+            raise ClosedError("DeviceParamTable", "closed")
+        self.tensor.check_exportable()
+
+    @property
+    def export_anchor(self) -> Any:
+        return None if self.closed else self.tensor.export_anchor
+
+    def committed_ranges(self, ptr: int, nbytes: int) -> list[tuple[int, int]]:
+        return self.tensor.committed_ranges(ptr, nbytes)
+
+
+class _StagingSlot(PinnedSlot):
+    """A pinned snapshot of the host table; ``host`` is its numpy array (None when freed)."""
+
+    __slots__ = ("host",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host: Any = None
+
+    def refresh(self) -> None:
+        self.host = None if self.buffer is None else self.buffer.np
+
+
+def _check_fields(fields: Any) -> list[tuple[str, DType]]:
+    """``[(name, DType)]`` from a mapping or a sequence of pairs; ValueError naming a bad or
+    repeated name or an unknown dtype."""
+    items = fields.items() if isinstance(fields, Mapping) else fields
+    if isinstance(items, (str, bytes)):
+        raise TypeError(f"fields must map names to dtypes, got {fields!r}")
+    try:
+        pairs = [tuple(item) for item in items]
+    except TypeError:
+        raise TypeError(f"fields must map names to dtypes, got {fields!r}") from None
+    checked: list[tuple[str, DType]] = []
+    for pair in pairs:
+        if len(pair) != 2:
+            raise TypeError(f"a field must be a (name, dtype) pair, got {pair!r}")
+        name, dtype = pair
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"field names must be non-empty strings, got {name!r}")
+        if any(name == seen for seen, _ in checked):
+            raise ValueError(f"field {name!r} is named twice")
+        try:
+            checked.append((name, canonical_dtype(dtype)))
+        except TypeError as error:
+            raise ValueError(f"field {name!r}: {error}") from None
+    if not checked:
+        raise ValueError("a DeviceParamTable needs at least one field")
+    return checked
+
+
+def _layout(num_rows: int, fields: list[tuple[str, DType]]) -> tuple[list[int], int]:
+    """Each field's byte offset (a multiple of :data:`FIELD_ALIGNMENT`) and the table size."""
+    offsets, end = [], 0
+    for _, dtype in fields:
+        start = -(-end // FIELD_ALIGNMENT) * FIELD_ALIGNMENT
+        offsets.append(start)
+        end = start + num_rows * dtype.itemsize
+    return offsets, -(-end // FIELD_ALIGNMENT) * FIELD_ALIGNMENT
+
+
+def _check_host_bytes(nbytes: int) -> None:
+    try:
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - not Linux/macOS
+        return
+    if nbytes > limit:
+        raise ValueError(
+            f"the table needs {nbytes} bytes of host memory (its values, staging copies), "
+            f"more than this host's {limit} bytes"
+        )
+
+
+def _device_wait(driver: VmmDriver, device: Device) -> None:
+    """The ring's fallback: the frameworks' pending work, then the whole device."""
+    interop.quiesce(device)
+    driver.synchronize(device.index)
+
+
+class DeviceParamTable:
+    """Per-request scalars (sampling parameters) in one device buffer at a fixed address.
+
+    ``fields`` maps each name to a dtype (a mapping, or ``(name, dtype)`` pairs, in order);
+    each field is a column of ``num_rows`` values starting at a multiple of
+    :data:`FIELD_ALIGNMENT` bytes. ``table[name].np`` is the host source of truth (a numpy
+    array, written freely); ``table[name].gpu`` the device column (a
+    :class:`~jaxbuf.BufferView`, for ``to_torch`` / ``to_jax`` / DLPack), which never moves,
+    so a step imports it once (:meth:`arrays`).
+
+    :meth:`sync` uploads the whole table with one copy on the driver's stream, and only when
+    a host value changed since the last upload: a step that admits no request copies
+    nothing. Changes are found by comparing the host table with the last snapshot uploaded
+    (one ``memcmp`` of the table's bytes). The snapshot sits in one of ``max_concurrency``
+    pinned staging slots, rewritten only once its copy is done (an event). A step in flight
+    keeps reading the old values: on CUDA the copy goes on the driver's producer stream (the
+    legacy default stream, as every jaxbuf producer write), ordered after the work already
+    enqueued on blocking streams (torch's and JAX's default streams are) and before what
+    they enqueue later; a consumer on a non-blocking stream exports the field again
+    (``gpu.to_torch()`` orders it after the last upload). On the CPU the frameworks' pending
+    work is waited for before the copy.
+
+    Not thread-safe. Not picklable or copyable. :meth:`close` (or ``free``) means done;
+    arrays over the device table keep its memory while they live.
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        fields: Any,
+        device: DeviceLike | None = None,
+        max_concurrency: int | None = None,
+        *,
+        driver: VmmDriver | None = None,
+    ) -> None:
+        self._closed = True  # until everything is made
+        num_rows = as_count(num_rows, "num_rows")
+        checked = _check_fields(fields)
+        count = as_max_concurrency(max_concurrency)
+        offsets, nbytes = _layout(num_rows, checked)
+        _check_host_bytes((2 + count) * nbytes)
+        device, driver = resolve(device, driver)
+        self.num_rows, self.nbytes, self.max_concurrency = num_rows, nbytes, count
+        self.device, self._driver = device, driver
+        self._host = np.zeros(nbytes, np.uint8)
+        tensor = ExtensibleTensor(nbytes, device, driver=driver)
+        try:
+            tensor.resize_per_segment_(nbytes, zero_new=True)
+        except BaseException as error:
+            attempt(error, "freeing the device table", tensor.free)
+            raise
+        self._tensor = tensor
+        self._owner = _TableOwner(tensor)
+        base = tensor.full_view()
+        self._device_ptr = base.ptr
+        self._fields: dict[str, ParamField] = {}
+        for (name, dtype), offset in zip(checked, offsets):
+            host = self._host[offset : offset + num_rows * dtype.itemsize].view(dtype.numpy)
+            gpu = BufferView(
+                base.ptr + offset,
+                num_rows * dtype.itemsize,
+                dtype,
+                (num_rows,),
+                device,
+                self._owner,
+                base.dlpack_device_type,
+            )
+            self._fields[name] = ParamField(name, dtype, offset, host, gpu)
+        self._ring = PinnedSlotRing(
+            count,
+            functools.partial(UvaBuffer, dtype="uint8", device=device, driver=driver),
+            UvaBuffer.free,
+            functools.partial(_device_wait, driver, device),
+            mode="wait",
+            owns_guards=False,  # the last upload's event is also the views' ready event
+            slot_type=_StagingSlot,
+            name="DeviceParamTable",
+        )
+        try:  # every slot now: the first uploads stay cheap, a failure shows here
+            for slot in self._ring.slots:
+                self._ring.grow(slot, nbytes)
+        except BaseException as error:
+            attempt(error, "closing the staging slots", self._ring.close)
+            attempt(error, "freeing the device table", tensor.free)
+            raise
+        # The bytes the device holds (zeros until the first upload); None: unknown, after a
+        # failed upload, so the next sync uploads whatever the host holds. Compared as
+        # bytes: one copy and a memcmp, faster than numpy's comparisons at table sizes.
+        self._uploaded: bytes | None = bytes(nbytes)
+        # Whether the driver's copies run asynchronously (a platform with events).
+        probe = driver.record_ready_event(device.index)
+        self._asynchronous = probe is not None
+        if probe is not None:
+            driver.destroy_event(probe)
+        self._next = 0
+        self._arrays: dict[str, dict[str, Any]] = {}
+        self._closed = False
+
+    # -- access ---------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> ParamField:
+        try:
+            return self._fields[name]
+        except KeyError:
+            raise KeyError(f"no field {name!r}; fields: {', '.join(self._fields)}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fields
+
+    def __iter__(self):
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    @property
+    def fields(self) -> dict[str, ParamField]:
+        return dict(self._fields)
+
+    def arrays(self, framework: str) -> dict[str, Any]:
+        """Each field's device column as an array of ``framework`` (``"torch"``, ``"jax"``,
+        ...), imported on the first call and the same objects after: they alias the device
+        table, so a step reads what the last :meth:`sync` uploaded, with no import or host
+        transfer per step. Never donate them to a jitted step."""
+        self._check_open()
+        arrays = self._arrays.get(framework)
+        if arrays is None:
+            adapter = interop.get(framework)
+            arrays = {name: adapter.from_view(f.gpu) for name, f in self._fields.items()}
+            self._arrays[framework] = arrays
+        return arrays
+
+    @property
+    def device_ptr(self) -> int:
+        """Address of the device table (fixed until :meth:`close`)."""
+        return self._device_ptr
+
+    # -- upload ---------------------------------------------------------------------------
+    def changed(self) -> bool:
+        """Whether a host value differs from what the device holds (what :meth:`sync`
+        would upload)."""
+        return self._host.tobytes() != self._uploaded
+
+    def sync(self) -> bool:
+        """Upload the whole table if a host value changed since the last upload; return
+        whether it copied. One copy, stream-ordered on the driver's stream after the work
+        already enqueued (see the class docstring); it waits only when every staging slot
+        still feeds a copy in flight."""
+        self._check_open()
+        current = self._host.tobytes()
+        if current == self._uploaded:
+            return False
+        self._uploaded = None  # until the copy is enqueued: a failure leaves it unknown
+        self._upload(current)
+        self._uploaded = current
+        return True
+
+    def _upload(self, current: bytes) -> None:
+        ring, index = self._ring, self._next
+        slot = ring.slots[index]
+        ring.wait(slot, index)
+        slot.host[:] = np.frombuffer(current, np.uint8)
+        driver, device = self._driver, self.device
+        slot.guard = UNRECORDED  # the copy may read it from now on
+        if not self._asynchronous:
+            # The copy happens now (the CPU): the steps JAX dispatched asynchronously must
+            # finish reading the old values first.
+            interop.quiesce(device)
+        driver.copy(self._device_ptr, slot.host.ctypes.data, self.nbytes, device.index)
+        handle = driver.record_ready_event(device.index)
+        event = None if handle is None else DeviceEvent(driver, handle, 1)
+        slot.guard = event
+        self._owner.event = event
+        self._next = (index + 1) % len(ring.slots)
+
+    # -- lifetime -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("DeviceParamTable", "closed")
+
+    def close(self) -> None:
+        """Done: waits for the uploads in flight, frees the staging slots and the device
+        table (which arrays over it keep while they live). Safe to call twice."""
+        if getattr(self, "_ring", None) is None:
+            return
+        self._closed = True
+        self._owner.closed = True
+        self._arrays = {}
+        cleanup = Cleanup("DeviceParamTable.close")
+        cleanup.run(self._ring.close)
+        cleanup.run(self._tensor.free)
+        cleanup.raise_first()
+
+    free = close
+
+    def __enter__(self) -> DeviceParamTable:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a DeviceParamTable cannot be pickled or copied: it owns device and pinned "
+            "memory; make a new one and copy the host values (table[name].np)"
+        )
+
+    __copy__ = __deepcopy__ = __reduce_ex__
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        names = ", ".join(f"{n}: {f.dtype}" for n, f in self._fields.items())
+        return (
+            f"DeviceParamTable({self.num_rows} rows, {{{names}}}, device={self.device}, "
+            f"nbytes={self.nbytes}, {state})"
+        )
