@@ -47,7 +47,7 @@ static Py_ssize_t owner_offset = -1;   /* BufferView.owner's slot */
 static Py_ssize_t payload_offset = -1; /* BufferView._versioned_payload's slot */
 static PyObject *order_hook = NULL;    /* (view, stream) -> None */
 static PyObject *allocate_hook = NULL; /* (device_type, device_id, nbytes) -> (ptr, keeper) */
-static PyObject *import_hook = NULL;   /* (capsule) -> view */
+static PyObject *import_hook = NULL;   /* (capsule, ptr, device, dtype, shape, ...) -> view */
 static PyObject *api_capsule = NULL;
 static PyObject *str_pack_versioned = NULL;
 
@@ -310,6 +310,49 @@ done:
     return status;
 }
 
+/* The hook's arguments for a consumer's tensor: (ptr, device_type, device_id, code, bits,
+ * lanes, shape, read_only), or NULL with BufferError for what no view can describe (another
+ * major version, a strided layout). */
+static PyObject *describe(const JbManagedTensorVersioned *tensor) {
+    if (tensor->version.major != JAXBUF_DLPACK_MAJOR) {
+        PyErr_Format(PyExc_BufferError, "DLPack major version %u is not %d",
+                     tensor->version.major, JAXBUF_DLPACK_MAJOR);
+        return NULL;
+    }
+    const JbDLTensor *dl = &tensor->dl_tensor;
+    if (dl->ndim < 0 || (dl->ndim > 0 && dl->shape == NULL)) {
+        PyErr_SetString(PyExc_BufferError, "malformed DLTensor: negative ndim or NULL shape");
+        return NULL;
+    }
+    PyObject *shape = PyTuple_New(dl->ndim);
+    if (shape == NULL) return NULL;
+    int empty = 0, strided = 0;
+    int64_t step = 1;
+    for (int i = dl->ndim - 1; i >= 0; i--) {
+        int64_t extent = dl->shape[i];
+        PyObject *item = PyLong_FromLongLong(extent);
+        if (item == NULL) {
+            Py_DECREF(shape);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(shape, i, item);
+        empty |= extent == 0;
+        /* Row-major: a dimension of extent 1 may have any stride (torch gives such). */
+        if (dl->strides != NULL && extent > 1 && dl->strides[i] != step) strided = 1;
+        step *= extent > 1 ? extent : 1;
+    }
+    if (strided && !empty) {
+        Py_DECREF(shape);
+        PyErr_SetString(PyExc_BufferError, "jaxbuf views are row-major; this tensor is strided");
+        return NULL;
+    }
+    uintptr_t ptr = (uintptr_t)dl->data + (uintptr_t)dl->byte_offset;
+    return Py_BuildValue("(KiiiiiNO)", (unsigned long long)ptr, (int)dl->device.device_type,
+                         (int)dl->device.device_id, (int)dl->dtype.code, (int)dl->dtype.bits,
+                         (int)dl->dtype.lanes, shape,
+                         (tensor->flags & JAXBUF_DLPACK_FLAG_READ_ONLY) ? Py_True : Py_False);
+}
+
 static int api_to_py_object(JbManagedTensorVersioned *tensor, void **out_py_object) {
     if (out_py_object != NULL) *out_py_object = NULL;
     if (tensor == NULL || out_py_object == NULL || import_hook == NULL) {
@@ -326,7 +369,14 @@ static int api_to_py_object(JbManagedTensorVersioned *tensor, void **out_py_obje
         if (tensor->deleter != NULL) tensor->deleter(tensor);
         return -1;
     }
-    PyObject *view = PyObject_CallOneArg(import_hook, capsule);
+    PyObject *fields = describe(tensor);
+    PyObject *view = NULL;
+    if (fields != NULL) {
+        PyObject *call[9] = {capsule};
+        for (Py_ssize_t i = 0; i < 8; i++) call[i + 1] = PyTuple_GET_ITEM(fields, i);
+        view = PyObject_Vectorcall(import_hook, call, 9, NULL);
+        Py_DECREF(fields);
+    }
     Py_DECREF(capsule);
     if (view == NULL) return -1;
     *out_py_object = view;

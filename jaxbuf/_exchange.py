@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _capsule, _dlpack
+from . import _capsule
 from ._capsule import ExportAnchor
 from .devices import Device
 from .drivers.base import K_DL_CPU, K_DL_CUDA
@@ -102,36 +102,31 @@ def _device_of(device_type: int, device_id: int) -> Device:
     raise BufferError(f"jaxbuf views hold CPU or CUDA memory, not DLPack device type {device_type}")
 
 
-def import_view(capsule: Any) -> Any:
-    """A :class:`BufferView` over the managed tensor in ``capsule`` (an unconsumed
-    ``dltensor_versioned`` capsule jaxbuf made around a consumer's tensor): row-major tensors
-    of a jaxbuf dtype on the CPU or a CUDA device, else ``BufferError``. The view's owner keeps
-    the capsule (so the tensor) alive; dropping the capsule on a failure deletes the tensor."""
+def import_view(
+    capsule: Any,
+    ptr: int,
+    device_type: int,
+    device_id: int,
+    code: int,
+    bits: int,
+    lanes: int,
+    shape: tuple[int, ...],
+    read_only: bool,
+) -> Any:
+    """A :class:`BufferView` over the consumer's managed tensor in ``capsule`` (unconsumed,
+    named ``dltensor_versioned``), described by the other arguments (read in C; the C has
+    refused strided layouts and other major versions): a jaxbuf dtype on the CPU or a CUDA
+    device, else ``BufferError``. The view's owner keeps the capsule, so the tensor, alive;
+    dropping the capsule on a failure deletes the tensor."""
     from .views import BufferView
 
-    address = _capsule_pointer(capsule, b"dltensor_versioned")
-    managed = _dlpack.DLManagedTensorVersioned.from_address(address)
-    if managed.version.major != _dlpack.DLPACK_VERSION[0]:
-        raise BufferError(f"DLPack major version {managed.version.major} is not 1")
-    tensor = managed.dl_tensor
-    device = _device_of(tensor.device.device_type, tensor.device.device_id)
-    dtype = _BY_DLPACK.get((tensor.dtype.code, tensor.dtype.bits))
-    if dtype is None or tensor.dtype.lanes != 1:
-        raise BufferError(
-            f"no jaxbuf dtype for DLPack code {tensor.dtype.code}, {tensor.dtype.bits} bits, "
-            f"{tensor.dtype.lanes} lanes"
-        )
-    shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
-    if tensor.strides and any(
-        extent > 1 and tensor.strides[i] != step
-        for i, (extent, step) in enumerate(zip(shape, _dlpack.contiguous_strides(shape)))
-    ):
-        raise BufferError(f"jaxbuf views are row-major; this tensor of shape {shape} is strided")
+    device = _device_of(device_type, device_id)
+    dtype = _BY_DLPACK.get((code, bits))
+    if dtype is None or lanes != 1:
+        raise BufferError(f"no jaxbuf dtype for DLPack code {code}, {bits} bits, {lanes} lanes")
     nbytes = math.prod(shape) * dtype.itemsize
-    ptr = (tensor.data or 0) + tensor.byte_offset if nbytes else 0
-    read_only = bool(managed.flags & _dlpack.FLAG_READ_ONLY)
     owner = _Exchanged(capsule, device, read_only)
-    return BufferView(ptr, nbytes, dtype, shape, device, owner, tensor.device.device_type)
+    return BufferView(ptr if nbytes else 0, nbytes, dtype, shape, device, owner, device_type)
 
 
 def allocate(device_type: int, device_id: int, nbytes: int) -> tuple[int, Any]:
