@@ -10,13 +10,12 @@ the C asks Python for: ordering a stream after the owner's pending writes (the v
 rule), allocating a tensor a consumer asks for (``managed_tensor_allocator``), and importing
 a consumer's managed tensor as a view (``managed_tensor_to_py_object_no_sync``).
 
-:func:`exchange_to` is the consumer side: another framework's tensor over a view, built by
-that framework's exchange API (``to_torch`` uses torch's).
+The consumer side, another framework's tensor over a view built by that framework's exchange
+API (``to_torch`` uses torch's), is :func:`jaxbuf._dlpack.exchange_to`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 from typing import Any
 
@@ -28,18 +27,10 @@ from .devices import Device
 from .drivers.base import K_DL_CPU, K_DL_CUDA
 from .dtypes import SUPPORTED_DTYPES, canonical_dtype
 
-__all__ = ["EXCHANGE_API_NAME", "exchange_api_of", "exchange_to", "register"]
+__all__ = ["register"]
 
-EXCHANGE_API_NAME = b"dlpack_exchange_api"
 #: Host allocations a consumer asks for are aligned like JAX's (and cache lines and AVX-512).
 _HOST_ALIGNMENT = 64
-
-_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
-_capsule_is_valid.argtypes = (ctypes.py_object, ctypes.c_char_p)
-_capsule_is_valid.restype = ctypes.c_int
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.argtypes = (ctypes.py_object, ctypes.c_char_p)
-_capsule_pointer.restype = ctypes.c_void_p
 
 # (dlpack code, bits) -> jaxbuf dtype, for importing a consumer's tensor.
 _BY_DLPACK = {
@@ -47,21 +38,8 @@ _BY_DLPACK = {
     for dtype in map(canonical_dtype, SUPPORTED_DTYPES)
 }
 
-#: exchange_to(api, view, stream): another framework's object over ``view``, built by its
-#: exchange API ``api`` (a ``"dlpack_exchange_api"`` capsule) from the managed tensor
-#: ``managed_tensor_from_py_object_no_sync`` gives; ``stream`` (a DLPack stream number, None
-#: on the host) is first ordered after the owner's pending writes. In C.
-exchange_to = _capsule.exchange_to
-
-
-def exchange_api_of(cls: type) -> Any:
-    """``cls.__dlpack_c_exchange_api__`` when it is a DLPack 1.x exchange API capsule with an
-    importer, else None (a framework too old to offer one)."""
-    api = getattr(cls, "__dlpack_c_exchange_api__", None)
-    if api is None or not _capsule_is_valid(api, EXCHANGE_API_NAME):
-        return None
-    version = ctypes.cast(_capsule_pointer(api, EXCHANGE_API_NAME), ctypes.POINTER(ctypes.c_uint32))
-    return api if version[0] == 1 else None
+# The view type register() made exchangeable: what an import builds.
+_view_type: list[type] = []
 
 
 class _Exchanged:
@@ -118,15 +96,13 @@ def import_view(
     refused strided layouts and other major versions): a jaxbuf dtype on the CPU or a CUDA
     device, else ``BufferError``. The view's owner keeps the capsule, so the tensor, alive;
     dropping the capsule on a failure deletes the tensor."""
-    from .views import BufferView
-
     device = _device_of(device_type, device_id)
     dtype = _BY_DLPACK.get((code, bits))
     if dtype is None or lanes != 1:
         raise BufferError(f"no jaxbuf dtype for DLPack code {code}, {bits} bits, {lanes} lanes")
     nbytes = math.prod(shape) * dtype.itemsize
     owner = _Exchanged(capsule, device, read_only)
-    return BufferView(ptr if nbytes else 0, nbytes, dtype, shape, device, owner, device_type)
+    return _view_type[0](ptr if nbytes else 0, nbytes, dtype, shape, device, owner, device_type)
 
 
 def allocate(device_type: int, device_id: int, nbytes: int) -> tuple[int, Any]:
@@ -153,4 +129,5 @@ def register(view_type: type, order_after_owner: Any) -> Any:
     """Make ``view_type`` (BufferView) exchangeable; returns the ``"dlpack_exchange_api"``
     capsule for its ``__dlpack_c_exchange_api__``. ``order_after_owner(view, stream)`` makes
     a DLPack stream wait for the view's owner's pending writes."""
+    _view_type[:] = [view_type]
     return _capsule.register_exchange(view_type, order_after_owner, allocate, import_view)

@@ -24,7 +24,7 @@ from dlpack_producer import (
     run_child,
 )
 
-from jaxbuf import _capsule, _dlpack, _exchange
+from jaxbuf import _capsule, _dlpack
 from jaxbuf.views import BufferView
 
 K_DL_CPU, K_DL_CUDA, K_DL_HEXAGON = 1, 2, 16
@@ -153,8 +153,8 @@ def test_the_type_carries_a_dlpack_1_3_table():
     assert API.header.prev_api is None
     for name, _ in ExchangeAPI._fields_[1:]:
         assert getattr(API, name), f"{name} is NULL"
-    assert _exchange.exchange_api_of(BufferView) is capsule
-    assert _exchange.exchange_api_of(object) is None
+    assert _dlpack.exchange_api_of(BufferView) is capsule
+    assert _dlpack.exchange_api_of(object) is None
 
 
 @pytest.mark.parametrize("shape", [(), (4,), (2, 3), (3, 1), (0, 4), (2, 0, 1)])
@@ -390,7 +390,7 @@ def test_a_freed_view_exports_nothing_through_the_c_api():
 import ctypes, gc, weakref
 sys.path.insert(0, {tests!r})
 from test_dlpack_c_api import API, DLTENSOR_FROM_PY, FROM_PY, ManagedPointer, delete, from_py
-from jaxbuf import _dlpack, _exchange
+from jaxbuf import _dlpack
 
 tensor, view = producer("cpu", np.arange(1000, dtype=np.float32))
 managed = from_py(view)
@@ -439,7 +439,7 @@ torch_only = pytest.mark.skipif(
 
 def torch_api():
     torch = pytest.importorskip("torch")
-    if _exchange.exchange_api_of(torch.Tensor) is None:
+    if _dlpack.exchange_api_of(torch.Tensor) is None:
         pytest.skip(f"torch {torch.__version__} has no __dlpack_c_exchange_api__")
     return torch, exchange_api(torch.Tensor)
 
@@ -482,12 +482,13 @@ def test_to_torch_without_torch_exchange_api_uses_capsules(float_view, device, m
     torch, _ = torch_api()
     check_cuda_torch(torch, device)
     view, expected = float_view
+    import jaxbuf.interop.torch as torch_adapter
     from jaxbuf import interop
 
     adapter = interop.get("torch")
     view.to_torch()  # binds the importer
     monkeypatch.setattr(adapter, "_exchange_api", None)
-    monkeypatch.setattr(_exchange, "exchange_to", None)  # a call through it would fail
+    monkeypatch.setattr(torch_adapter, "exchange_to", None)  # a call through it would fail
     t = view.to_torch()
     assert t.data_ptr() == view.ptr and np.array_equal(t.cpu().numpy(), expected)
 

@@ -199,7 +199,7 @@ def _exchange_rows(
     does on a torch without the API) and ``torch.from_dlpack(view)``, then tvm-ffi on a view
     against tvm-ffi on a torch tensor of the same size."""
     from jaxbuf import interop
-    from jaxbuf._exchange import exchange_api_of
+    from jaxbuf._dlpack import exchange_api_of
 
     if exchange_api_of(torch.Tensor) is None:
         yield Row(

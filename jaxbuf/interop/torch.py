@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxbuf._exchange import exchange_api_of, exchange_to
+from jaxbuf._dlpack import exchange_api_of, exchange_to
 from jaxbuf.drivers.base import K_DL_CPU, K_DL_CUDA, K_DL_ROCM
 from jaxbuf.interop import DLPACK_LEGACY_STREAM, Adapter, loaded_module
 
