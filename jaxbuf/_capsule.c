@@ -52,12 +52,6 @@
 #include <pthread.h>
 #endif
 
-#if PY_VERSION_HEX >= 0x030D0000
-#define JAXBUF_IS_FINALIZING() Py_IsFinalizing()
-#else
-#define JAXBUF_IS_FINALIZING() _Py_IsFinalizing()
-#endif
-
 /* The two managed-tensor layouts of dlpack.h, by offset (both little-endian 64-bit here;
  * _dlpack.py checks its struct formats against the ctypes layouts):
  *   legacy     DLManagedTensor:          dl_tensor[48], manager_ctx @48, deleter @56
@@ -389,17 +383,15 @@ static void legacy_deleter(void *managed) {
 }
 
 /* DLManagedTensorVersioned.deleter: the same for the versioned layout. */
-static void versioned_deleter(void *managed) {
+void jaxbuf_versioned_deleter(void *managed) {
     PyObject *anchor;
     memcpy(&anchor, (char *)managed + VERSIONED_CTX_OFFSET, sizeof(anchor));
     free(managed);
     if (anchor != NULL) release_anchor(anchor);
 }
 
-void jaxbuf_versioned_deleter(void *managed) { versioned_deleter(managed); }
-
 /* The capsule destructor: an unconsumed capsule's deleter is the producer's to call. */
-static void dltensor_capsule_destructor(PyObject *capsule) {
+void jaxbuf_dltensor_capsule_destructor(PyObject *capsule) {
     /* PyCapsule_IsValid never raises, so no error state is disturbed. */
     dl_deleter deleter = NULL;
     char *managed = NULL;
@@ -416,15 +408,12 @@ static void dltensor_capsule_destructor(PyObject *capsule) {
     if (deleter != NULL) deleter(managed);
 }
 
-void jaxbuf_dltensor_capsule_destructor(PyObject *capsule) {
-    dltensor_capsule_destructor(capsule);
-}
-
 /* ---- the builder ------------------------------------------------------------------------- */
 
 /* The owner was freed between the export taking its anchor and making the capsule (free() on
  * another thread): jaxbuf.ClosedError naming what the anchor holds. Error path only. */
-static void raise_closed_anchor(ExportAnchor *anchor) {
+void jaxbuf_raise_closed(PyObject *anchor_object) {
+    ExportAnchor *anchor = (ExportAnchor *)anchor_object;
     const char *kind = anchor->target == NULL ? "memory" : Py_TYPE(anchor->target)->tp_name;
     PyObject *module = PyImport_ImportModule("jaxbuf._errors");
     PyObject *type = module == NULL ? NULL : PyObject_GetAttrString(module, "ClosedError");
@@ -439,12 +428,11 @@ static void raise_closed_anchor(ExportAnchor *anchor) {
     Py_DECREF(error);
 }
 
-void jaxbuf_raise_closed(PyObject *anchor) { raise_closed_anchor((ExportAnchor *)anchor); }
-
+/* One export's malloc block, for a capsule (new_capsule) or the exchange API (_exchange.c). */
 char *jaxbuf_managed_block(const char *payload, Py_ssize_t size, Py_ssize_t tensor_offset,
                            Py_ssize_t shape_offset, int versioned, PyObject *anchor) {
     if (anchor != NULL && ((ExportAnchor *)anchor)->closed) {
-        raise_closed_anchor((ExportAnchor *)anchor);
+        jaxbuf_raise_closed(anchor);
         return NULL;
     }
     Py_ssize_t header = versioned ? VERSIONED_SIZE : LEGACY_SIZE;
@@ -465,7 +453,7 @@ char *jaxbuf_managed_block(const char *payload, Py_ssize_t size, Py_ssize_t tens
     void *strides = block + shape_offset + 8 * ndim;
     memcpy(block + tensor_offset + 24, &shape, sizeof(void *));
     memcpy(block + tensor_offset + 32, &strides, sizeof(void *));
-    dl_deleter deleter = versioned ? versioned_deleter : legacy_deleter;
+    dl_deleter deleter = versioned ? jaxbuf_versioned_deleter : legacy_deleter;
     memcpy(block + (versioned ? VERSIONED_CTX_OFFSET : LEGACY_CTX_OFFSET), &anchor,
            sizeof(anchor));
     memcpy(block + (versioned ? VERSIONED_DELETER_OFFSET : LEGACY_DELETER_OFFSET), &deleter,
@@ -514,10 +502,10 @@ static PyObject *new_capsule(PyObject *self, PyObject *const *args, Py_ssize_t n
         jaxbuf_managed_block(payload, size, tensor_offset, shape_offset, versioned, anchor);
     if (block == NULL) return NULL;
     PyObject *capsule = PyCapsule_New(block, versioned ? VERSIONED_NAME : LEGACY_NAME,
-                                      dltensor_capsule_destructor);
+                                      jaxbuf_dltensor_capsule_destructor);
     if (capsule == NULL) {
         /* The deleter frees the block and gives the export back. */
-        (versioned ? versioned_deleter : legacy_deleter)(block);
+        (versioned ? jaxbuf_versioned_deleter : legacy_deleter)(block);
         return NULL;
     }
     return capsule;
@@ -602,10 +590,11 @@ PyMODINIT_FUNC PyInit__capsule(void) {
         Py_DECREF(module);
         return NULL;
     }
-    if (add_address(module, "DESTRUCTOR_ADDRESS", (const void *)dltensor_capsule_destructor) <
-            0 ||
+    const void *destructor = (const void *)jaxbuf_dltensor_capsule_destructor;
+    const void *versioned_deleter = (const void *)jaxbuf_versioned_deleter;
+    if (add_address(module, "DESTRUCTOR_ADDRESS", destructor) < 0 ||
         add_address(module, "LEGACY_DELETER_ADDRESS", (const void *)legacy_deleter) < 0 ||
-        add_address(module, "VERSIONED_DELETER_ADDRESS", (const void *)versioned_deleter) < 0) {
+        add_address(module, "VERSIONED_DELETER_ADDRESS", versioned_deleter) < 0) {
         Py_DECREF(module);
         return NULL;
     }

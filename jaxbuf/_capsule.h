@@ -14,6 +14,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#if PY_VERSION_HEX >= 0x030D0000
+#define JAXBUF_IS_FINALIZING() Py_IsFinalizing()
+#else
+#define JAXBUF_IS_FINALIZING() _Py_IsFinalizing()
+#endif
+
 #if defined(__GNUC__)
 #define JAXBUF_INTERNAL __attribute__((visibility("hidden")))
 #else

@@ -13,8 +13,10 @@
  *   current_work_stream  NULL for every device jaxbuf knows: jaxbuf's work goes on the legacy
  *       default stream (CUDA's handle 0), and the CPU has none.
  *   managed_tensor_allocator  a new tensor through jaxbuf's allocation hook (host memory or a
- *       driver allocation, kept alive by the tensor's anchor), errors through the consumer's SetError; it may be called without
- *       the GIL (tvm-ffi releases it around a call), so it takes it.
+ *       driver allocation, kept alive by the tensor's anchor), errors through the consumer's
+ *       SetError; it may be called without the GIL (tvm-ffi releases it around a call), so it
+ *       takes it, and refuses once the interpreter is finalizing (taking it then would end
+ *       the calling thread).
  *   managed_tensor_to_py_object_no_sync  a BufferView over a consumer's managed tensor, which
  *       is deleted when the view and everything exported from it are gone.
  * Errors: a Python exception (the GIL is held), SetError in the allocator; nothing crashes
@@ -272,6 +274,10 @@ static int api_allocator(JbDLTensor *prototype, JbManagedTensorVersioned **out, 
     header->dl_tensor.ndim = ndim;
     header->dl_tensor.dtype = dtype;
 
+    if (!Py_IsInitialized() || JAXBUF_IS_FINALIZING()) {
+        if (set_error != NULL) set_error(error_ctx, "RuntimeError", "the interpreter is exiting");
+        return -1;
+    }
     PyGILState_STATE state = PyGILState_Ensure();
     int status = -1;
     PyObject *result = NULL, *anchor = NULL;
