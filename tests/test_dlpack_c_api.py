@@ -538,23 +538,117 @@ def test_torch_reads_jaxbuf_through_its_own_c_api_and_back():
     tensor.free()
 
 
+class PendingOwner:
+    """An owner with a pending write and a driver that records the stream waits it is asked
+    for: the ordering logic, run without a GPU (nothing here touches the memory)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.export_anchor = _capsule.ExportAnchor(type(self))
+        self.ready_event = object()
+        self.driver = self
+        self.waits: list[tuple[int, int]] = []
+        self.fail = fail
+
+    def check_exportable(self) -> None:
+        return None
+
+    def stream_wait_event(self, stream: int, event: object, index: int) -> None:
+        if self.fail:
+            raise RuntimeError("stream_wait_event failed")
+        self.waits.append((stream, index))
+
+
+def stand_in_cuda_view(owner: PendingOwner, data: np.ndarray) -> BufferView:
+    from jaxbuf.devices import Device
+
+    return BufferView(
+        data.ctypes.data, data.nbytes, "float32", (2, 3), Device("cuda", 1), owner, K_DL_CUDA
+    )
+
+
+def test_exports_order_after_pending_writes_without_a_gpu(monkeypatch):
+    """The producer functions order the legacy default stream (DLPack 1, what
+    ``current_work_stream`` names) on the view's device; ``exchange_to`` orders the stream it
+    is given; a failed wait fails the export and gives it back."""
+    from jaxbuf import views
+
+    monkeypatch.setattr(views, "_default_stream_waited", [None])
+    data = np.zeros(6, np.float32)
+    owner = PendingOwner()
+    view = stand_in_cuda_view(owner, data)
+    managed = from_py(view)
+    assert owner.waits == [(1, 1)] and owner.export_anchor.live_exports == 1
+    assert (managed.dl_tensor.device.device_type, managed.dl_tensor.device.device_id) == (2, 1)
+    delete(managed)
+    imported = _dlpack.exchange_to(BufferView.__dlpack_c_exchange_api__, view, 12345)
+    assert owner.waits[-1] == (12345, 1) and imported.ptr == view.ptr
+    assert imported.device.platform == "cuda" and imported.device.index == 1
+    del imported
+    failing = PendingOwner(fail=True)
+    view = stand_in_cuda_view(failing, data)
+    with pytest.raises(RuntimeError, match="stream_wait_event failed"):
+        from_py(view)
+    with pytest.raises(RuntimeError, match="stream_wait_event failed"):
+        _dlpack.exchange_to(BufferView.__dlpack_c_exchange_api__, view, 7)
+    assert failing.export_anchor.live_exports == 0
+
+
+def pending_cuda_view(monkeypatch):
+    """A CUDA view whose owner has a pending write (a zeroing memset on the producer stream),
+    and the DLPack streams its driver is asked to order after it."""
+    import jaxbuf
+    from jaxbuf import views
+
+    buffer = jaxbuf.ExtensibleTensor(64 << 20, device="cuda")
+    buffer.resize_segments_([64 << 20], zero_new=True)
+    assert buffer.ready_event is not None, "the zeroing memset left no pending write"
+    waits: list[int] = []
+    wait = buffer.driver.stream_wait_event
+
+    def recording_wait(stream, event, index):
+        waits.append(stream)
+        return wait(stream, event, index)
+
+    monkeypatch.setattr(buffer.driver, "stream_wait_event", recording_wait)
+    monkeypatch.setattr(views, "_default_stream_waited", [None])  # no earlier wait counts
+    return buffer, buffer.segment_view(0).view("float32"), waits
+
+
 @torch_only
 @pytest.mark.gpu
-def test_to_torch_on_a_side_stream_sees_pending_writes():
-    """The ordering ``to_torch`` keeps on the exchange path: torch's current stream (a side
-    stream here) waits for the owner's pending writes before the tensor is used on it."""
+def test_to_torch_orders_torchs_stream_after_pending_writes(monkeypatch):
+    """On the exchange path as on the capsule path, torch's current stream (a side stream
+    here) is made to wait for the owner's pending writes before the tensor exists."""
     torch, _ = torch_api()
     if not torch.cuda.is_available():
         pytest.skip("this torch build has no CUDA")
-    import jaxbuf
-
-    buffer = jaxbuf.ExtensibleTensor(jaxbuf.granule_size("cuda"), device="cuda")
-    buffer.resize_segments_([64 << 20], zero_new=True)  # a zeroing memset: a pending write
-    view = buffer.segment_view(0).view("float32")
+    buffer, view, waits = pending_cuda_view(monkeypatch)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        total = float(view.to_torch().sum())
+        tensor = view.to_torch()
+        total = float(tensor.sum())
+    assert waits == [stream.cuda_stream]
     assert total == 0.0
+    del tensor, view
+    buffer.free()
+
+
+@pytest.mark.gpu
+def test_the_c_export_orders_the_default_stream_after_pending_writes(monkeypatch):
+    """``managed_tensor_from_py_object_no_sync`` orders what ``current_work_stream`` names
+    (the legacy default stream, DLPack number 1), as ``__dlpack__(stream=None)`` does; the
+    borrowed DLTensor too."""
+    buffer, view, waits = pending_cuda_view(monkeypatch)
+    managed = from_py(view)
+    assert waits == [1]
+    assert (managed.dl_tensor.device.device_type, managed.dl_tensor.device.device_id) == (2, 0)
+    delete(managed)
+    from jaxbuf import views
+
+    views._default_stream_waited[0] = None
+    out = _dlpack.DLTensor()
+    assert DLTENSOR_FROM_PY(API.dltensor_from_py_object_no_sync)(view, ctypes.byref(out)) == 0
+    assert waits == [1, 1] and out.data == view.ptr
     del view
     buffer.free()
 
