@@ -1,4 +1,4 @@
-"""DLPack structs and capsule builders, in ctypes (producer side only).
+"""DLPack structs and capsule builders, in ctypes, and the C exchange API's consumer side.
 
 Layouts follow ``dlpack.h`` (v1.x). A capsule's payload is one ``malloc`` block holding the
 managed tensor followed by its ``shape`` and ``strides`` arrays. Its ``manager_ctx`` holds an
@@ -19,6 +19,10 @@ layouts); each export is then one C call, ``_capsule.new_capsule``, which copies
 into a malloc block, points the shape/strides fields at it, sets ``manager_ctx`` and the
 deleter, and wraps it in a capsule. Writing ctypes fields one by one, as the seed does, costs
 several microseconds per capsule.
+
+The same managed tensor also goes out without a capsule, through DLPack's C exchange API
+(``BufferView.__dlpack_c_exchange_api__``, ``_exchange.c``); :func:`exchange_to` hands it to
+another framework's exchange API (``to_torch`` to torch's) in one C call.
 """
 
 from __future__ import annotations
