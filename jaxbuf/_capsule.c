@@ -382,8 +382,18 @@ static void legacy_deleter(void *managed) {
     if (anchor != NULL) release_anchor(anchor);
 }
 
+/* The block this thread watches for (exchange_to: did a failing consumer delete it?). */
+static _Thread_local JbDeletionWatch deletion_watch = {NULL, 0};
+
+JbDeletionWatch jaxbuf_watch_deletion(JbDeletionWatch watch) {
+    JbDeletionWatch previous = deletion_watch;
+    deletion_watch = watch;
+    return previous;
+}
+
 /* DLManagedTensorVersioned.deleter: the same for the versioned layout. */
 void jaxbuf_versioned_deleter(void *managed) {
+    if (managed == deletion_watch.block) deletion_watch.deleted = 1;
     PyObject *anchor;
     memcpy(&anchor, (char *)managed + VERSIONED_CTX_OFFSET, sizeof(anchor));
     free(managed);

@@ -121,6 +121,15 @@ JAXBUF_INTERNAL void jaxbuf_raise_closed(PyObject *anchor);
  * the anchor with the GIL (any thread; never once the process is exiting). */
 JAXBUF_INTERNAL void jaxbuf_versioned_deleter(void *managed);
 
+/* A block the versioned deleter reports on, on this thread: `deleted` is set once it frees it.
+ * jaxbuf_watch_deletion installs a watch and returns the one it replaces (restored after, so
+ * nested watches on one thread keep theirs). */
+typedef struct {
+    void *block;
+    int deleted;
+} JbDeletionWatch;
+JAXBUF_INTERNAL JbDeletionWatch jaxbuf_watch_deletion(JbDeletionWatch watch);
+
 /* The destructor of a "dltensor[_versioned]" capsule: calls the deleter of an unconsumed one. */
 JAXBUF_INTERNAL void jaxbuf_dltensor_capsule_destructor(PyObject *capsule);
 

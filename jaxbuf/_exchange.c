@@ -484,15 +484,21 @@ PyObject *jaxbuf_exchange_to(PyObject *module, PyObject *const *args, Py_ssize_t
         managed->deleter(managed);
         return NULL;
     }
+    /* dlpack.h gives the consumer the tensor even when it fails, but a consumer may fail
+     * before it takes it (torch's importer throws on a dtype it lacks before it builds the
+     * guard that calls the deleter). A consumer that deletes it on failure does so within
+     * this call, on this thread, where the deleter reports it. */
+    JbDeletionWatch outer = jaxbuf_watch_deletion((JbDeletionWatch){managed, 0});
     void *result = NULL;
-    if (api->managed_tensor_to_py_object_no_sync(managed, &result) != 0) {
-        /* The consumer took the tensor (dlpack.h: ownership is stolen) and reports why. */
+    int status = api->managed_tensor_to_py_object_no_sync(managed, &result);
+    JbDeletionWatch watch = jaxbuf_watch_deletion(outer);
+    if (status != 0) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_BufferError, "the consumer refused the managed tensor");
         }
-        return NULL;
+        if (!watch.deleted) managed->deleter(managed);
     }
-    return (PyObject *)result;
+    return status == 0 ? (PyObject *)result : NULL;
 }
 
 int jaxbuf_exchange_init(PyObject *module) {

@@ -429,6 +429,52 @@ print("done")
     assert_normal_exit(run_child(script))
 
 
+def test_a_consumer_that_fails_gets_its_tensor_deleted_once():
+    """``exchange_to`` with a consumer whose import fails: one that deleted the tensor (as
+    dlpack.h asks) is not followed by a second delete, one that failed before taking it has
+    it deleted by jaxbuf; either way the export is given back and the error raised. In a
+    child: a double delete would abort."""
+    script = (
+        CHILD_PRODUCER
+        + """
+import ctypes
+sys.path.insert(0, {tests!r})
+from test_dlpack_c_api import TO_PY, ExchangeAPI, delete
+from jaxbuf import _dlpack
+
+capsule_new = ctypes.pythonapi.PyCapsule_New
+capsule_new.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+capsule_new.restype = ctypes.py_object
+NAME = b"dlpack_exchange_api"
+
+def consumer(deletes):
+    def import_(managed, out):
+        if deletes:
+            delete(managed.contents)
+        return -1
+    table = ExchangeAPI()
+    table.header.version.major, table.header.version.minor = 1, 3
+    callback = TO_PY(import_)
+    table.managed_tensor_to_py_object_no_sync = ctypes.cast(callback, ctypes.c_void_p).value
+    return capsule_new(ctypes.addressof(table), NAME, None), (table, callback)
+
+tensor, view = producer("cpu", np.arange(16, dtype=np.float32))
+anchor = tensor.export_anchor
+for deletes in (True, False, True):
+    api, keep = consumer(deletes)
+    try:
+        _dlpack.exchange_to(api, view, None)
+    except BufferError as error:
+        assert "refused" in str(error), error
+    else:
+        raise AssertionError("a failing consumer returned a tensor")
+    assert anchor.live_exports == 0, (deletes, anchor.live_exports)
+print("done")
+"""
+    ).format(tests=str(__import__("pathlib").Path(__file__).parent))
+    assert_normal_exit(run_child(script))
+
+
 # -- torch, both ways ------------------------------------------------------------------------
 
 
