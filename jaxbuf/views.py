@@ -277,9 +277,9 @@ class BufferView:
         A versioned capsule is returned only when ``max_version`` asks for major version 1 or
         more (flagged ``READ_ONLY`` over a read-only owner); otherwise a legacy ``dltensor``
         capsule (what JAX asks for). The type's ``__dlpack_c_exchange_api__`` (DLPack's C
-        exchange API, :mod:`jaxbuf._exchange`) hands out the same versioned tensor without
-        a capsule. The capsule keeps
-        the owner's memory alive (``owner.export_anchor``) until the consumer's array is gone.
+        exchange API, :mod:`jaxbuf._exchange`) hands out the same versioned tensor without a
+        capsule. The capsule keeps the owner's memory alive (``owner.export_anchor``) until
+        the consumer's array is gone.
         On CUDA, ``stream`` is the consumer's stream: it is made to wait for the owner's
         pending writes; ``-1`` means no synchronisation, ``None`` the device's default stream
         (CUDA's legacy default stream, as the standard defines it), ordered the same way. A
