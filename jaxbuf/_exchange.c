@@ -31,7 +31,6 @@
  */
 #include "_capsule.h"
 
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -74,7 +73,8 @@ static PyObject *payload_of(PyObject *view) {
     } else {
         Py_INCREF(payload);
     }
-    PyObject *bytes = PyTuple_CheckExact(payload) && PyTuple_GET_SIZE(payload) == 4
+    PyObject *bytes = PyTuple_CheckExact(payload) && PyTuple_GET_SIZE(payload) == 4 &&
+                              PyTuple_GET_ITEM(payload, 3) == Py_True
                           ? PyTuple_GET_ITEM(payload, 0)
                           : NULL;
     if (bytes == NULL || !PyBytes_CheckExact(bytes) || PyBytes_GET_SIZE(bytes) < HEADER_SIZE ||

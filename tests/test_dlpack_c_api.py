@@ -239,6 +239,26 @@ def test_no_work_stream_on_an_unknown_device():
         CURRENT_STREAM(API.current_work_stream)(K_DL_HEXAGON, 0, ctypes.byref(stream))
 
 
+@pytest.mark.parametrize(
+    "payload",
+    [b"short", (b"\0" * 64, 0, 64, False), (b"\0" * 81, 32, 80, True), [b"\0" * 80, 32, 80, True]],
+)
+def test_a_malformed_payload_is_refused(payload):
+    """The C reads only a payload of the versioned layout that ``_dlpack.pack_payload`` makes:
+    anything else is a ValueError, with nothing exported or borrowed."""
+    tensor, view, _ = make_view("cpu", "float32", (4,))
+    view._versioned_payload = payload
+    with pytest.raises(ValueError, match="malformed DLPack payload"):
+        FROM_PY(API.managed_tensor_from_py_object_no_sync)(view, ctypes.byref(ManagedPointer()))
+    with pytest.raises(ValueError, match="malformed DLPack payload"):
+        DLTENSOR_FROM_PY(API.dltensor_from_py_object_no_sync)(
+            view, ctypes.byref(_dlpack.DLTensor())
+        )
+    assert tensor.export_anchor.live_exports == 0
+    del view
+    tensor.free()
+
+
 # -- the allocator -----------------------------------------------------------------------------
 
 
