@@ -1,5 +1,5 @@
-"""Builds jaxbuf's C: the DLPack capsules (deleter, destructor, ExportAnchor), and the staging
-fast path.
+"""Builds jaxbuf's C: the DLPack capsules (deleter, destructor, ExportAnchor) and DLPack's C
+exchange API, and the staging fast path.
 
 Everything else is configured in pyproject.toml. The capsule deleter must be C because it runs
 on any thread (JAX calls it from its own) and possibly during interpreter shutdown, where it
@@ -22,7 +22,12 @@ _BATCH_ARRAYS = "jaxbuf/drivers/_batch_arrays.h"
 
 setup(
     ext_modules=[
-        Extension("jaxbuf._capsule", sources=["jaxbuf/_capsule.c"]),
+        # The capsules and, in _exchange.c, DLPack's C exchange API over the same tensors.
+        Extension(
+            "jaxbuf._capsule",
+            sources=["jaxbuf/_capsule.c", "jaxbuf/_exchange.c"],
+            depends=["jaxbuf/_capsule.h"],
+        ),
         Extension(
             "jaxbuf._staging",
             sources=["jaxbuf/_staging.c"],

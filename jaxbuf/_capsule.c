@@ -34,11 +34,15 @@
  * export_anchor); an owner that names no ExportAnchor gets the one anchor_of() shares among the
  * live exports of that object, filed by address and gone with its last export.
  *
+ * The same managed tensors go out without a capsule through DLPack's C exchange API
+ * (_exchange.c, built into this module): jaxbuf_managed_block and the versioned deleter below
+ * serve both.
+ *
  * This needs _Py_IsFinalizing and _PyObject_LookupAttr before 3.13, outside the limited API:
  * the module is built per Python version (setup.py).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_capsule.h"
+
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -46,12 +50,6 @@
 #include <time.h>
 #ifdef __unix__
 #include <pthread.h>
-#endif
-
-#if PY_VERSION_HEX >= 0x030D0000
-#define JAXBUF_IS_FINALIZING() Py_IsFinalizing()
-#else
-#define JAXBUF_IS_FINALIZING() _Py_IsFinalizing()
 #endif
 
 /* The two managed-tensor layouts of dlpack.h, by offset (both little-endian 64-bit here;
@@ -314,6 +312,14 @@ static PyObject *anchor_for(PyObject *module, PyObject *owner) {
     return shared;
 }
 
+PyObject *jaxbuf_anchor_for(PyObject *owner) { return anchor_for(NULL, owner); }
+
+PyObject *jaxbuf_anchor_of(PyObject *target) { return anchor_of(NULL, target); }
+
+int jaxbuf_anchor_closed(PyObject *anchor) {
+    return Py_TYPE(anchor) == &ExportAnchorType && ((ExportAnchor *)anchor)->closed;
+}
+
 /* ---- the deleters ------------------------------------------------------------------------ */
 
 /* Shutdown state (see the header). Sequentially consistent: each deleter increments
@@ -376,8 +382,18 @@ static void legacy_deleter(void *managed) {
     if (anchor != NULL) release_anchor(anchor);
 }
 
+/* The block this thread watches for (exchange_to: did a failing consumer delete it?). */
+static _Thread_local JbDeletionWatch deletion_watch = {NULL, 0};
+
+JbDeletionWatch jaxbuf_watch_deletion(JbDeletionWatch watch) {
+    JbDeletionWatch previous = deletion_watch;
+    deletion_watch = watch;
+    return previous;
+}
+
 /* DLManagedTensorVersioned.deleter: the same for the versioned layout. */
-static void versioned_deleter(void *managed) {
+void jaxbuf_versioned_deleter(void *managed) {
+    if (managed == deletion_watch.block) deletion_watch.deleted = 1;
     PyObject *anchor;
     memcpy(&anchor, (char *)managed + VERSIONED_CTX_OFFSET, sizeof(anchor));
     free(managed);
@@ -385,7 +401,7 @@ static void versioned_deleter(void *managed) {
 }
 
 /* The capsule destructor: an unconsumed capsule's deleter is the producer's to call. */
-static void dltensor_capsule_destructor(PyObject *capsule) {
+void jaxbuf_dltensor_capsule_destructor(PyObject *capsule) {
     /* PyCapsule_IsValid never raises, so no error state is disturbed. */
     dl_deleter deleter = NULL;
     char *managed = NULL;
@@ -406,7 +422,8 @@ static void dltensor_capsule_destructor(PyObject *capsule) {
 
 /* The owner was freed between the export taking its anchor and making the capsule (free() on
  * another thread): jaxbuf.ClosedError naming what the anchor holds. Error path only. */
-static void raise_closed_anchor(ExportAnchor *anchor) {
+void jaxbuf_raise_closed(PyObject *anchor_object) {
+    ExportAnchor *anchor = (ExportAnchor *)anchor_object;
     const char *kind = anchor->target == NULL ? "memory" : Py_TYPE(anchor->target)->tp_name;
     PyObject *module = PyImport_ImportModule("jaxbuf._errors");
     PyObject *type = module == NULL ? NULL : PyObject_GetAttrString(module, "ClosedError");
@@ -419,6 +436,43 @@ static void raise_closed_anchor(ExportAnchor *anchor) {
     if (error == NULL) return;
     PyErr_SetObject((PyObject *)Py_TYPE(error), error);
     Py_DECREF(error);
+}
+
+/* One export's malloc block, for a capsule (new_capsule) or the exchange API (_exchange.c). */
+char *jaxbuf_managed_block(const char *payload, Py_ssize_t size, Py_ssize_t tensor_offset,
+                           Py_ssize_t shape_offset, int versioned, PyObject *anchor) {
+    if (anchor != NULL && ((ExportAnchor *)anchor)->closed) {
+        jaxbuf_raise_closed(anchor);
+        return NULL;
+    }
+    Py_ssize_t header = versioned ? VERSIONED_SIZE : LEGACY_SIZE;
+    if (tensor_offset != (versioned ? VERSIONED_TENSOR_OFFSET : LEGACY_TENSOR_OFFSET) ||
+        shape_offset != header || size < shape_offset || (size - shape_offset) % 16 != 0) {
+        PyErr_SetString(PyExc_ValueError, "malformed DLPack payload");
+        return NULL;
+    }
+    char *block = (char *)malloc((size_t)size);
+    if (block == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(block, payload, (size_t)size);
+    Py_ssize_t ndim = (size - shape_offset) / 16;
+    /* Explicit strides always: DLPack 1.2 forbids NULL strides when ndim > 0. */
+    void *shape = block + shape_offset;
+    void *strides = block + shape_offset + 8 * ndim;
+    memcpy(block + tensor_offset + 24, &shape, sizeof(void *));
+    memcpy(block + tensor_offset + 32, &strides, sizeof(void *));
+    dl_deleter deleter = versioned ? jaxbuf_versioned_deleter : legacy_deleter;
+    memcpy(block + (versioned ? VERSIONED_CTX_OFFSET : LEGACY_CTX_OFFSET), &anchor,
+           sizeof(anchor));
+    memcpy(block + (versioned ? VERSIONED_DELETER_OFFSET : LEGACY_DELETER_OFFSET), &deleter,
+           sizeof(deleter));
+    if (anchor != NULL) {
+        Py_INCREF(anchor);
+        ((ExportAnchor *)anchor)->live_exports += 1;
+    }
+    return block;
 }
 
 /* Capsule names must outlive every capsule, including those alive at interpreter exit, so they
@@ -449,43 +503,20 @@ static PyObject *new_capsule(PyObject *self, PyObject *const *args, Py_ssize_t n
                      Py_TYPE(anchor)->tp_name);
         return NULL;
     }
-    if (anchor != NULL && ((ExportAnchor *)anchor)->closed) {
-        raise_closed_anchor((ExportAnchor *)anchor);
-        return NULL;
-    }
     if (PyBytes_AsStringAndSize(args[0], &payload, &size) < 0) return NULL;
     Py_ssize_t tensor_offset = PyLong_AsSsize_t(args[1]);
     Py_ssize_t shape_offset = PyLong_AsSsize_t(args[2]);
     int versioned = PyObject_IsTrue(args[3]);
     if (PyErr_Occurred() || versioned < 0) return NULL;
-    Py_ssize_t header = versioned ? VERSIONED_SIZE : LEGACY_SIZE;
-    if (tensor_offset != (versioned ? VERSIONED_TENSOR_OFFSET : LEGACY_TENSOR_OFFSET) ||
-        shape_offset != header || size < shape_offset || (size - shape_offset) % 16 != 0) {
-        PyErr_SetString(PyExc_ValueError, "malformed DLPack payload");
-        return NULL;
-    }
-    char *block = (char *)malloc((size_t)size);
-    if (block == NULL) return PyErr_NoMemory();
-    memcpy(block, payload, (size_t)size);
-    Py_ssize_t ndim = (size - shape_offset) / 16;
-    void *shape = block + shape_offset;
-    void *strides = block + shape_offset + 8 * ndim;
-    memcpy(block + tensor_offset + 24, &shape, sizeof(void *));
-    memcpy(block + tensor_offset + 32, &strides, sizeof(void *));
-    dl_deleter deleter = versioned ? versioned_deleter : legacy_deleter;
-    memcpy(block + (versioned ? VERSIONED_CTX_OFFSET : LEGACY_CTX_OFFSET), &anchor,
-           sizeof(anchor));
-    memcpy(block + (versioned ? VERSIONED_DELETER_OFFSET : LEGACY_DELETER_OFFSET), &deleter,
-           sizeof(deleter));
+    char *block =
+        jaxbuf_managed_block(payload, size, tensor_offset, shape_offset, versioned, anchor);
+    if (block == NULL) return NULL;
     PyObject *capsule = PyCapsule_New(block, versioned ? VERSIONED_NAME : LEGACY_NAME,
-                                      dltensor_capsule_destructor);
+                                      jaxbuf_dltensor_capsule_destructor);
     if (capsule == NULL) {
-        free(block); /* the anchor's reference was not taken yet */
+        /* The deleter frees the block and gives the export back. */
+        (versioned ? jaxbuf_versioned_deleter : legacy_deleter)(block);
         return NULL;
-    }
-    if (anchor != NULL) {
-        Py_INCREF(anchor);
-        ((ExportAnchor *)anchor)->live_exports += 1;
     }
     return capsule;
 }
@@ -502,6 +533,12 @@ static PyMethodDef capsule_methods[] = {
      "(registered with atexit at import; the process is exiting)"},
     {"is_exiting", (PyCFunction)is_exiting, METH_NOARGS,
      "is_exiting() -> bool: whether at_exit has run"},
+    {"register_exchange", (PyCFunction)(void (*)(void))jaxbuf_register_exchange, METH_FASTCALL,
+     "register_exchange(view_type, order_hook, allocate_hook, import_hook) -> capsule: the\n"
+     "view type's DLPack C exchange API (\"dlpack_exchange_api\")"},
+    {"exchange_to", (PyCFunction)(void (*)(void))jaxbuf_exchange_to, METH_FASTCALL,
+     "exchange_to(api, view, stream) -> object: the view imported by another framework's\n"
+     "DLPack C exchange API, stream (a DLPack number or None) ordered after pending writes"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -563,14 +600,15 @@ PyMODINIT_FUNC PyInit__capsule(void) {
         Py_DECREF(module);
         return NULL;
     }
-    if (add_address(module, "DESTRUCTOR_ADDRESS", (const void *)dltensor_capsule_destructor) <
-            0 ||
+    const void *destructor = (const void *)jaxbuf_dltensor_capsule_destructor;
+    const void *versioned_deleter = (const void *)jaxbuf_versioned_deleter;
+    if (add_address(module, "DESTRUCTOR_ADDRESS", destructor) < 0 ||
         add_address(module, "LEGACY_DELETER_ADDRESS", (const void *)legacy_deleter) < 0 ||
-        add_address(module, "VERSIONED_DELETER_ADDRESS", (const void *)versioned_deleter) < 0) {
+        add_address(module, "VERSIONED_DELETER_ADDRESS", versioned_deleter) < 0) {
         Py_DECREF(module);
         return NULL;
     }
-    if (register_at_exit(module) < 0) {
+    if (jaxbuf_exchange_init(module) < 0 || register_at_exit(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

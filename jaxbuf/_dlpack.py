@@ -1,4 +1,4 @@
-"""DLPack structs and capsule builders, in ctypes (producer side only).
+"""DLPack structs and capsule builders, in ctypes, and the C exchange API's consumer side.
 
 Layouts follow ``dlpack.h`` (v1.x). A capsule's payload is one ``malloc`` block holding the
 managed tensor followed by its ``shape`` and ``strides`` arrays. Its ``manager_ctx`` holds an
@@ -19,6 +19,10 @@ layouts); each export is then one C call, ``_capsule.new_capsule``, which copies
 into a malloc block, points the shape/strides fields at it, sets ``manager_ctx`` and the
 deleter, and wraps it in a capsule. Writing ctypes fields one by one, as the seed does, costs
 several microseconds per capsule.
+
+The same managed tensor also goes out without a capsule, through DLPack's C exchange API
+(``BufferView.__dlpack_c_exchange_api__``, ``_exchange.c``); :func:`exchange_to` hands it to
+another framework's exchange API (``to_torch`` to torch's) in one C call.
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ from functools import lru_cache
 from . import _capsule
 from ._capsule import ExportAnchor
 
-__all__ = ["DLPACK_VERSION", "ExportAnchor", "anchor_for", "new_capsule", "pack_payload"]
+__all__ = [
+    "DLPACK_VERSION",
+    "ExportAnchor",
+    "anchor_for",
+    "exchange_api_of",
+    "exchange_to",
+    "new_capsule",
+    "pack_payload",
+]
 
 DLPACK_VERSION = (1, 0)
 FLAG_READ_ONLY = 1  # DLPACK_FLAG_BITMASK_READ_ONLY
@@ -180,3 +192,32 @@ def new_capsule(payload: Payload, anchor: ExportAnchor | None = None):
 # anchor ``_capsule.anchor_of`` shares among the live exports of that object, made and dropped
 # with them.
 anchor_for = _capsule.anchor_for
+
+
+# -- DLPack's C exchange API (dlpack.h 1.3), the consumer side ---------------------------------
+
+EXCHANGE_API_NAME = b"dlpack_exchange_api"
+
+_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_is_valid.argtypes = (ctypes.py_object, ctypes.c_char_p)
+_capsule_is_valid.restype = ctypes.c_int
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.argtypes = (ctypes.py_object, ctypes.c_char_p)
+_capsule_pointer.restype = ctypes.c_void_p
+
+
+def exchange_api_of(cls: type):
+    """``cls.__dlpack_c_exchange_api__`` when it is a DLPack 1.x exchange API capsule, else
+    None (a framework too old to offer one). Looked up on the type, as dlpack.h asks."""
+    api = getattr(cls, "__dlpack_c_exchange_api__", None)
+    if api is None or not _capsule_is_valid(api, EXCHANGE_API_NAME):
+        return None
+    major = ctypes.c_uint32.from_address(_capsule_pointer(api, EXCHANGE_API_NAME)).value
+    return api if major == 1 else None
+
+
+# exchange_to(api, view, stream), in C (jaxbuf/_exchange.c): another framework's object over a
+# BufferView, built by that framework's exchange API ``api`` (its "dlpack_exchange_api"
+# capsule) from the managed tensor the view's own exchange API gives; ``stream`` (a DLPack
+# stream number, None on the host) is first ordered after the owner's pending writes.
+exchange_to = _capsule.exchange_to

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _dlpack, interop
+from . import _dlpack, _exchange, interop
 from ._checks import as_int, as_shape
 from .devices import Device, as_device
 from .drivers.base import K_DL_CPU, K_DL_CUDA, K_DL_CUDA_HOST, K_DL_ROCM, K_DL_ROCM_HOST
@@ -277,8 +277,11 @@ class BufferView:
         """Export as a DLPack capsule (array-API semantics).
 
         A versioned capsule is returned only when ``max_version`` asks for major version 1 or
-        more; otherwise a legacy ``dltensor`` capsule (what JAX asks for). The capsule keeps
-        the owner's memory alive (``owner.export_anchor``) until the consumer's array is gone.
+        more (flagged ``READ_ONLY`` over a read-only owner); otherwise a legacy ``dltensor``
+        capsule (what JAX asks for). The type's ``__dlpack_c_exchange_api__`` (DLPack's C
+        exchange API, :mod:`jaxbuf._exchange`) hands out the same versioned tensor without a
+        capsule. The capsule keeps the owner's memory alive (``owner.export_anchor``) until
+        the consumer's array is gone.
         On CUDA, ``stream`` is the consumer's stream: it is made to wait for the owner's
         pending writes; ``-1`` means no synchronisation, ``None`` the device's default stream
         (CUDA's legacy default stream, as the standard defines it), ordered the same way. A
@@ -396,6 +399,8 @@ class BufferView:
             self.dtype.itemsize * 8,
             self.shape,
             versioned=versioned,
+            # Mapped PROT_READ (a read-only import): a consumer that writes would fault.
+            read_only=versioned and getattr(self.owner, "read_only", False),
         )
 
     # -- framework adapters -------------------------------------------------------------
@@ -450,6 +455,10 @@ class BufferView:
         adapter = _adapters.get("jax") or _adapter("jax")
         return adapter.from_view(target)
 
+
+# DLPack's C exchange API (in C, jaxbuf/_exchange.c): the versioned tensor __dlpack__ makes,
+# handed out in one C call. On the type, where consumers look for it.
+BufferView.__dlpack_c_exchange_api__ = _exchange.register(BufferView, _order_after_owner)
 
 # The adapters the to_* methods use, each looked up in the registry once: registry names are
 # never replaced, so a kept reference stays the registry's answer.

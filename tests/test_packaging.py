@@ -147,7 +147,7 @@ def test_extras_install_what_the_checks_and_notebooks_need():
         spec.startswith("jaxbuf[") and "torch" in spec and "jax" in spec
         for spec in extras["notebooks"]
     )
-    assert {"torch", "jax", "triton", "test", "notebooks", "cli"} <= {
+    assert {"torch", "jax", "triton", "test", "notebooks", "cli", "tvm"} <= {
         spec for spec in extras["all"][0].split("[")[1].rstrip("]").split(",")
     }
 
@@ -216,8 +216,13 @@ def test_sdist_carries_the_license_docs_notebooks_and_linked_reports(tmp_path):
     missing = linked - names
     assert not missing, f"linked from the docs but not in the sdist (MANIFEST.in): {missing}"
     assert {"LICENSE", "README.md", "pyproject.toml", "setup.py", "jaxbuf/_capsule.c"} <= names
-    # Every C source, the optional extensions' included (jaxbuf/drivers/_host_calls.c, ...).
-    sources = {path.relative_to(ROOT).as_posix() for path in (ROOT / "jaxbuf").rglob("*.c")}
+    # Every C source and header, the optional extensions' included (jaxbuf/drivers/_host_calls.c,
+    # jaxbuf/_capsule.h, ...).
+    sources = {
+        path.relative_to(ROOT).as_posix()
+        for pattern in ("*.c", "*.h")
+        for path in (ROOT / "jaxbuf").rglob(pattern)
+    }
     assert sources <= names, f"C sources not in the sdist: {sources - names}"
     for notebook in (ROOT / "notebooks").glob("*.ipynb"):
         assert f"notebooks/{notebook.name}" in names

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds jaxbuf's C extensions (the capsule module, the stager and packer, the CUDA call
-# module, the CPU driver's batched copy) with AddressSanitizer and UndefinedBehaviorSanitizer in a temporary copy of the
-# tree, and runs the tests that reach that C there, with the ASan runtime preloaded.
+# Builds jaxbuf's C extensions (the capsule module and its DLPack C exchange API, the stager
+# and packer, the CUDA call module, the CPU driver's batched copy) with AddressSanitizer and
+# UndefinedBehaviorSanitizer in a temporary copy of the tree, and runs the tests that reach
+# that C there, with the ASan runtime preloaded.
 #
 #   tools/sanitize.sh [pytest args...]      (PYTHON=... picks the interpreter; arguments
 #                                           replace the default list of test files)
@@ -14,7 +15,7 @@
 #
 # Which tests run: those that reach jaxbuf's C (TESTS below: the ctypes stand-ins of the CUDA
 # call module, the CPU driver's batched copy, the stager and packer, capsules and lifetimes,
-# the C fuzz and the state machine). torch 2.13 and JAX 0.10 tolerate the preloaded runtime
+# the C exchange API with torch and tvm-ffi, the C fuzz and the state machine). torch 2.13 and JAX 0.10 tolerate the preloaded runtime
 # (the state machine's torch and JAX workers and test_staged import them), so nothing is left
 # out for them. On an idle 2-core CPU machine the whole list takes about 2.5 minutes; pass
 # files to run fewer.
@@ -71,6 +72,7 @@ TESTS=(
     tests/test_jax_ring.py
     tests/test_lifetime.py
     tests/test_dlpack_spec.py
+    tests/test_dlpack_c_api.py
     tests/test_views.py
     tests/test_bad_input.py
     tests/test_c_fuzz.py

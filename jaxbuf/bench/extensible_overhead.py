@@ -5,7 +5,9 @@ Suites (registered after those of :mod:`jaxbuf.bench.extensible`, whose names th
 * ``extensible.bookkeeping``: the per-grow cost of the buffer logic alone (a no-op driver)
   at 100 and 10,000 committed granules, jaxbuf's intervals against the seed's granule walk.
 * ``extensible.views``: DLPack capsule, torch view and JAX view of a buffer, against torch's
-  own exports and a seed-style ctypes capsule builder.
+  own exports and a seed-style ctypes capsule builder; ``to_torch`` through DLPack's C
+  exchange API against the capsule path it replaces; tvm-ffi calls on a view against the
+  same calls on a torch tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ MiB = 1 << 20
 
 _CAPSULE_TARGET_S = 2e-6
 _TORCH_VIEW_TARGET_S = 4e-6
+# to_torch through torch's C exchange API, on a GPU host (a CPU host is slower per call).
+_EXCHANGE_TO_TORCH_TARGET_S = 1e-6
+# A tvm-ffi call on a view may cost this much more than on a torch tensor (timing noise).
+_TVM_FFI_TOLERANCE = 1.05
 
 
 @suite("extensible.bookkeeping")
@@ -151,6 +157,7 @@ def views(device: Any, quick: bool) -> Iterator[Row | Sizes]:
                 target=f"<= {_TORCH_VIEW_TARGET_S * 1e6:g} µs",
                 met=torch_view_s <= _TORCH_VIEW_TARGET_S,
             )
+            yield from _exchange_rows(torch, view, native, torch_view_s, per_call, device)
             yield Row(
                 "torch view: view.to_torch()",
                 torch_view_s,
@@ -183,3 +190,64 @@ def views(device: Any, quick: bool) -> Iterator[Row | Sizes]:
                 )
     finally:
         buffer.free()
+
+
+def _exchange_rows(
+    torch: Any, view: Any, native: Any, torch_view_s: float, per_call: Any, device: Any
+) -> Iterator[Row]:
+    """``to_torch`` through torch's DLPack C exchange API against the capsule path (what it
+    does on a torch without the API) and ``torch.from_dlpack(view)``, then tvm-ffi on a view
+    against tvm-ffi on a torch tensor of the same size."""
+    from jaxbuf import interop
+    from jaxbuf._dlpack import exchange_api_of
+
+    if exchange_api_of(torch.Tensor) is None:
+        yield Row(
+            "to_torch via the C exchange API",
+            None,
+            notes=f"torch {torch.__version__} has no __dlpack_c_exchange_api__",
+        )
+    else:
+        importer = interop.get("torch")._from_capsule
+        target = _EXCHANGE_TO_TORCH_TARGET_S if device.is_cuda else None
+        yield Row(
+            "to_torch via the C exchange API",
+            torch_view_s,
+            "capsule path: torch._C._from_dlpack(view.__dlpack__())",
+            per_call(lambda: importer(view.__dlpack__())),
+            target="" if target is None else f"<= {target * 1e6:g} µs",
+            met=None if target is None else torch_view_s <= target,
+            notes="" if target is None else "the target is for a GPU host",
+        )
+        yield Row(
+            "to_torch via the C exchange API",
+            torch_view_s,
+            "torch.from_dlpack(view)",
+            per_call(lambda: torch.from_dlpack(view)),
+        )
+    try:
+        import tvm_ffi
+    except ImportError as error:
+        yield Row("tvm-ffi call on a view", None, notes=_skip_reason(error))
+        return
+    nop = tvm_ffi.get_global_func("testing.nop", allow_missing=True)
+    if nop is None:
+        yield Row("tvm-ffi call on a view", None, notes="tvm-ffi lacks testing.nop")
+        return
+    like = torch.empty(view.shape, dtype=torch.uint8, device=native.device)
+    view_call_s = per_call(lambda: nop(view))
+    torch_call_s = per_call(lambda: nop(like))
+    yield Row(
+        "tvm-ffi call on a view: testing.nop(view)",
+        view_call_s,
+        "testing.nop(torch tensor)",
+        torch_call_s,
+        target=f"<= the torch tensor's (+{_TVM_FFI_TOLERANCE - 1:.0%} noise)",
+        met=view_call_s <= torch_call_s * _TVM_FFI_TOLERANCE,
+    )
+    yield Row(
+        "tvm-ffi import: tvm_ffi.from_dlpack(view)",
+        per_call(lambda: tvm_ffi.from_dlpack(view)),
+        "tvm_ffi.from_dlpack(torch tensor)",
+        per_call(lambda: tvm_ffi.from_dlpack(like)),
+    )

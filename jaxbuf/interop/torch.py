@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxbuf._dlpack import exchange_api_of, exchange_to
 from jaxbuf.drivers.base import K_DL_CPU, K_DL_CUDA, K_DL_ROCM
 from jaxbuf.interop import DLPACK_LEGACY_STREAM, Adapter, loaded_module
 
@@ -37,6 +38,9 @@ class TorchAdapter(Adapter):
         # Bound on first use (importing torch then): the capsule importer and the raw
         # current-stream getter, each a private torch call with a public fallback.
         self._from_capsule: Any = None
+        # torch's DLPack C exchange API (torch.Tensor.__dlpack_c_exchange_api__), bound with
+        # the importer; None where torch predates it (then capsules, as before).
+        self._exchange_api: Any = None
         self._raw_stream: Any = None
         self._dtypes: dict[str, Any] = {}
         # A forked child cannot use the parent's CUDA (torch then reports it uninitialised):
@@ -60,6 +64,7 @@ class TorchAdapter(Adapter):
         importer = getattr(torch._C, "_from_dlpack", None)
         if importer is None:
             from torch.utils.dlpack import from_dlpack as importer
+        self._exchange_api = exchange_api_of(torch.Tensor)
         self._from_capsule = importer
         return importer
 
@@ -111,21 +116,28 @@ class TorchAdapter(Adapter):
     # -- importing jaxbuf memory ----------------------------------------------------------
     def from_view(self, view: Any) -> Any:
         """A tensor over ``view``'s bytes, zero-copy, on its device. When the owner has
-        pending producer work, torch's current stream is made to wait for it."""
+        pending producer work, torch's current stream is made to wait for it.
+
+        Through torch's DLPack C exchange API where torch has one (a versioned managed tensor
+        handed to ``managed_tensor_to_py_object_no_sync`` in one C call), else through a
+        capsule and torch's importer; the tensor and its lifetime are the same either way."""
         importer = self._from_capsule or self._bind_importer()
+        api = self._exchange_api
         device_type = view.dlpack_device_type
         if device_type == K_DL_CPU:  # no streams on the host
-            return importer(view.__dlpack__())
+            return exchange_to(api, view, None) if api else importer(view.__dlpack__())
         if device_type not in _TORCH_DEVICE_TYPES:
             raise BufferError(
                 f"torch cannot import DLPack device type {device_type}; "
                 "use the device view of a pinned buffer"
             )
         owner = view.owner
+        stream = None
         if owner is not None and getattr(owner, "ready_event", None) is not None:
             stream = self.current_stream(view.device) or DLPACK_LEGACY_STREAM
-            return importer(view.__dlpack__(stream=stream))
-        return importer(view.__dlpack__())
+        if api is not None:
+            return exchange_to(api, view, stream)
+        return importer(view.__dlpack__() if stream is None else view.__dlpack__(stream=stream))
 
     def current_stream(self, device: Any) -> int | None:
         """torch's current stream on a CUDA ``device``, once torch has initialised CUDA."""
