@@ -14,22 +14,28 @@
 # ---
 
 # %% [markdown]
-# # A decode loop: paged KV cache, staged block table, UVA metadata
+# # A decode loop: a growing KV cache, a staged block table, per-request parameters
 #
-# This notebook ties the pieces together in a toy decode loop written in JAX:
+# This notebook ties the pieces together in a toy decode loop written in JAX, with the
+# objects an inference engine imports:
 #
-# * the **KV cache** lives in one `ExtensibleTensor` with two segments (K and V). It reserves
-#   room for every page up front and commits physical memory a page at a time, when a
-#   sequence crosses a block boundary. Its base pointer never moves;
+# * the **KV cache** is built as an engine builds it: an `ExtensibleKVCacheBuilder` reserves
+#   one KV-cache tensor (K and V planes, one segment each) for every page up front, and the
+#   `ExtensibleKVCacheBuffers` it finishes commit physical memory in whole blocks (pages)
+#   when a sequence crosses a block boundary. No address ever moves;
+# * the **decode step** is a `KVCacheStep`: one jitted function over the cache's layers,
+#   imported into JAX once over the full capacity, so growing the cache never re-traces it.
+#   It writes the cache in place where JAX updates donated imports in place (a GPU);
 # * the **block table** (`num_seqs x max_blocks`, int32) is a `StagedWriteTensor`: a new page
 #   is staged on the host and applied with one launch per step (none when nothing changed);
-# * the per-step **metadata** (sequence lengths, the slot of each new token) comes from a
-#   `UvaBufferPool`: pinned host memory that the jitted step reads in place;
-# * a **torch** function reads the same cache and block table to check JAX's results.
+# * the per-step **metadata** (each sequence's length, the slot of its new token) lives in a
+#   `DeviceParamTable`: host values written freely, uploaded with one copy per step (none
+#   when nothing changed), read by the step from an array imported once;
+# * **torch** writes the prefill into the same cache and checks JAX's results from it.
 #
 # The "model" is a toy: each step makes one new K/V vector per sequence (a fixed function of
 # sequence and position, so the cache's contents can be checked), writes it into the cache,
-# and computes an attention-like reduction over each sequence's cached tokens in JAX.
+# and computes an attention-like reduction over each sequence's cached tokens.
 
 # %%
 import os
@@ -54,6 +60,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from jaxbuf.kv import KVCacheStep
 from jaxbuf.staged import StagedWriteTensor
 
 torch_device = torch.device("cuda", device.index) if device.is_cuda else torch.device("cpu")
@@ -71,73 +78,67 @@ print("device:", device, "| torch device:", torch_device)
 # %% [markdown]
 # ## Sizes
 #
-# A page holds `BLOCK` tokens of one sequence. Its size is one commit granule (2 MiB), so
-# each new page commits new physical memory and the plot below shows the cache growing. The
-# per-token vector size `DIM` follows from that.
+# A page (a block of the cache) holds `BLOCK` tokens of one sequence. Its K plane is one
+# commit granule (2 MiB), its V plane another, so each new page commits new physical memory
+# and the plot below shows the cache growing. The per-token vector size `DIM` follows.
 
 # %%
 num_seqs, max_blocks, BLOCK = 4, 4, 16
 granule = jaxbuf.granule_size(device)
-page_bytes = granule
+page_bytes = granule  # per plane: K, and again V
 DIM = page_bytes // (BLOCK * 4)  # float32 elements per token vector
 max_pages = num_seqs * max_blocks
 max_tokens = max_blocks * BLOCK
 print(
-    f"{BLOCK} tokens x {DIM} float32 per page = {page_bytes // MiB} MiB; "
-    f"up to {max_pages} pages per segment"
+    f"{BLOCK} tokens x {DIM} float32 per page and plane = {page_bytes // MiB} MiB; "
+    f"up to {max_pages} pages"
 )
 
 # %% [markdown]
-# ## The cache, the block table, the metadata pool
+# ## The cache, the block table, the metadata table
 #
-# The cache reserves `max_pages` pages per segment (address space only) and commits nothing
-# yet. Page *p* holds cache rows `p * BLOCK ... p * BLOCK + BLOCK - 1`; token *t* of sequence
-# *s* lives in row `block_table[s, t // BLOCK] * BLOCK + t % BLOCK`.
+# `reserve` stands in for the engine's allocation of one KV-cache tensor: it reserves
+# address space for all `max_pages` blocks, split into two segments (K and V), and returns a
+# flat uint8 view of all of it. `finish` commits one block, as warmup needs. Page *p* holds
+# rows `p * BLOCK ... p * BLOCK + BLOCK - 1` of each plane; token *t* of sequence *s* lives in
+# row `block_table[s, t // BLOCK] * BLOCK + t % BLOCK`.
 
 # %%
-cache = jaxbuf.ExtensibleTensor(
-    2 * max_pages * page_bytes, device=device, segment_capacities=[max_pages * page_bytes] * 2
-)
+builder = jaxbuf.ExtensibleKVCacheBuilder(max_pages, device)
+flat = builder.reserve(max_pages * 2 * page_bytes, num_segments=2)
+kv = builder.finish()
+print(kv, "| flat view:", flat.nbytes // MiB, "MiB")
+
 block_table = StagedWriteTensor((num_seqs, max_blocks), "int32", device=device)
 bt_jax = block_table.to_jax()  # aliases the table: every step reads the latest entries
 bt_torch = block_table.to_torch()
-meta_pool = jaxbuf.UvaBufferPool((num_seqs, 2), "int32", device=device, framework="jax")
-print(cache)
+meta = jaxbuf.DeviceParamTable(num_seqs, {"length": "int32", "slot": "int32"}, device)
+fields = meta.arrays("jax")  # imported once: each step reads the last upload
+# torch views of K and V over the full capacity: made once, valid as the cache grows.
+k_torch, v_torch = (
+    view.to_torch().view(-1, DIM) for view in kv.layer_views("float32", (BLOCK, DIM))
+)
 print(block_table)
+print(meta)
 
 # %% [markdown]
-# The page allocator: hand out the next page, stage its block-table entry, and grow both
-# segments by whole pages. Growing never moves the base pointer, so block-table entries
-# (page numbers) and views taken earlier stay valid; only the committed *length* changes, so
-# the framework views of the committed rows are re-made after a grow.
+# The page allocator: hand out the next page, stage its block-table entry, and commit the
+# cache up to that page (`ensure_blocks`: whole blocks, every segment, new ones zeroed).
+# Committing never moves an address, so block-table entries (page numbers), the torch views
+# and the step's JAX arrays all stay valid.
 
 # %%
 num_pages = 0
+pages_of = [[] for _ in range(num_seqs)]
 
 
 def allocate_page(seq, block):
     global num_pages
     page = num_pages
     block_table.stage_write(seq, block, [page])  # bounds-checked first: raises if full
-    cache.resize_segments_([(page + 1) * page_bytes] * 2)
+    kv.ensure_blocks(page + 1)
     num_pages += 1
     return page
-
-
-def cache_views():
-    """(K, V) as torch and JAX arrays over the committed rows, zero-copy."""
-    rows = num_pages * BLOCK
-    k, v = (cache.segment_view(i) for i in (0, 1))
-    return (
-        (
-            k.to_torch(dtype=torch.float32, shape=(rows, DIM)),
-            v.to_torch(dtype=torch.float32, shape=(rows, DIM)),
-        ),
-        (
-            k.to_jax(dtype=jnp.float32, shape=(rows, DIM)),
-            v.to_jax(dtype=jnp.float32, shape=(rows, DIM)),
-        ),
-    )
 
 
 def slot_of(seq, pos):
@@ -145,15 +146,16 @@ def slot_of(seq, pos):
     return pages_of[seq][pos // BLOCK] * BLOCK + pos % BLOCK
 
 
-pages_of = [[] for _ in range(num_seqs)]
-
 # %% [markdown]
 # ## The model, in JAX
 #
-# `make_kv` is the toy projection: the K/V vectors of tokens at given positions.
-# `attend` gathers each sequence's cached K/V rows through the block table (an int32 JAX
-# array aliasing the `StagedWriteTensor`), masks positions past the sequence length (from
-# the UVA metadata), and reduces: softmax(K q) V. A query is a function of the length.
+# `make_kv` is the toy projection: the K/V vectors of tokens at given positions. `attend`
+# gathers each sequence's cached K/V rows through the block table, masks positions past the
+# sequence length and reduces: softmax(K q) V. A query is a function of the length.
+#
+# `decode_step` is the `KVCacheStep` function: it gets the cache's layer arrays (K and V,
+# each `max_pages x BLOCK x DIM`), writes each sequence's new token at its slot and attends.
+# It returns the updated arrays with its output; the step makes the cache's memory hold them.
 
 # %%
 freqs = jnp.linspace(0.01, 1.0, DIM, dtype=jnp.float32)
@@ -165,40 +167,28 @@ def make_kv(seqs, positions):
     return jnp.sin(angle), jnp.cos(angle)
 
 
-def query(lengths):
-    return jnp.cos(lengths[:, None].astype(jnp.float32) * freqs)
-
-
-@jax.jit
-def attend(k_cache, v_cache, block_table, meta):
-    lengths = meta[:, 0]
+def attend(k_rows, v_rows, block_table, lengths):
     t = jnp.arange(max_tokens)
     rows = block_table[:, t // BLOCK] * BLOCK + t % BLOCK  # [seqs, tokens]
     valid = t[None, :] < lengths[:, None]
     rows = jnp.where(valid, rows, 0)  # unused entries point at row 0: read, then masked
-    q = query(lengths)
-    scores = jnp.einsum("std,sd->st", k_cache[rows], q) / jnp.sqrt(DIM)
+    q = jnp.cos(lengths[:, None].astype(jnp.float32) * freqs)
+    scores = jnp.einsum("std,sd->st", k_rows[rows], q) / jnp.sqrt(DIM)
     weights = jax.nn.softmax(jnp.where(valid, scores, -jnp.inf), axis=-1)
-    return jnp.einsum("st,std->sd", weights, v_cache[rows])
+    return jnp.einsum("st,std->sd", weights, v_rows[rows])
 
 
-# %% [markdown]
-# The K/V writes go through torch: `index_copy_` on torch views of the two segments, in
-# place, on every platform. (Writing them from JAX needs a jitted step that donates the
-# imported cache array: on a GPU that step writes jaxbuf memory in place, but its result is
-# no longer tracked by jaxbuf (see the README's "Limits"); JAX's CPU client copies a donated
-# import instead, so the cache would not change. Small tables updated inside `jit` use
-# `jaxbuf.jax_ops`, see notebook 3.)
+def decode_step(caches, block_table, length, slot):
+    k_cache, v_cache = caches
+    k_new, v_new = make_kv(jnp.arange(num_seqs), length - 1)  # the token just appended
+    k_rows = k_cache.reshape(-1, DIM).at[slot].set(k_new)
+    v_rows = v_cache.reshape(-1, DIM).at[slot].set(v_new)
+    out = attend(k_rows, v_rows, block_table, length)
+    return [k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape)], out
 
 
-# %%
-def write_kv(k_torch, v_torch, seqs, positions, slots):
-    k_new, v_new = make_kv(jnp.asarray(seqs, jnp.int32), jnp.asarray(positions, jnp.int32))
-    k_new.block_until_ready()
-    index = torch.as_tensor(np.asarray(slots, np.int64), device=torch_device)
-    k_torch.index_copy_(0, index, torch.from_dlpack(k_new))
-    v_torch.index_copy_(0, index, torch.from_dlpack(v_new))
-
+step = KVCacheStep(kv, decode_step, "float32", block_shape=(BLOCK, DIM))
+print("writes the cache in place:", step.in_place, "(else: committed blocks copied back)")
 
 # %% [markdown]
 # ## The torch check
@@ -209,14 +199,14 @@ def write_kv(k_torch, v_torch, seqs, positions, slots):
 
 
 # %%
-def torch_check(k_torch, v_torch, lengths, jax_out):
+def torch_check(lengths, jax_out):
     t = torch.arange(max_tokens, device=torch_device)
     worst_row, worst_out = 0.0, 0.0
     for s in range(num_seqs):
         n = int(lengths[s])
         # ruff sees the last cell's `del bt_torch`, not the order in which cells run.
         rows = bt_torch[s, t[:n] // BLOCK].long() * BLOCK + t[:n] % BLOCK  # noqa: F821
-        k_rows, v_rows = k_torch[rows], v_torch[rows]
+        k_rows, v_rows = k_torch[rows], v_torch[rows]  # noqa: F821
         k_want, _ = make_kv(jnp.full((n,), s, jnp.int32), jnp.arange(n, dtype=jnp.int32))
         worst_row = max(
             worst_row, float((k_rows.cpu() - torch.from_dlpack(k_want).cpu()).abs().max())
@@ -231,10 +221,11 @@ def torch_check(k_torch, v_torch, lengths, jax_out):
 
 
 # %% [markdown]
-# ## Prefill
+# ## Prefill, from torch
 #
 # Four sequences of different lengths: allocate their pages, apply the block table (one
-# launch for all of them), write their K/V.
+# launch for all of them), and write their K/V with torch's `index_copy_` on the cache's
+# torch views: the same memory the JAX step reads.
 
 # %%
 lengths = np.array([13, 5, 30, 40], dtype=np.int64)
@@ -243,12 +234,14 @@ for s, n in enumerate(lengths):
         pages_of[s].append(allocate_page(s, block))
 print("staged block-table writes:", block_table.num_staged_writes)
 block_table.apply_write()
-(k_torch, v_torch), (k_jax, v_jax) = cache_views()
 seqs = np.repeat(np.arange(num_seqs), lengths)
 positions = np.concatenate([np.arange(n) for n in lengths])
-write_kv(k_torch, v_torch, seqs, positions, [slot_of(s, p) for s, p in zip(seqs, positions)])
+k_new, v_new = make_kv(jnp.asarray(seqs, jnp.int32), jnp.asarray(positions, jnp.int32))
+index = torch.as_tensor([slot_of(s, p) for s, p in zip(seqs, positions)], device=torch_device)
+k_torch.index_copy_(0, index, torch.from_dlpack(k_new))
+v_torch.index_copy_(0, index, torch.from_dlpack(v_new))
 sync()
-print("pages:", num_pages, "| committed:", cache.physical_bytes // MiB, "MiB")
+print("pages:", kv.num_blocks_committed, "| committed:", kv.physical_bytes // MiB, "MiB")
 print("block table:\n", bt_torch.cpu())
 
 # %% [markdown]
@@ -256,64 +249,64 @@ print("block table:\n", bt_torch.cpu())
 #
 # Each step appends one token to every sequence:
 #
-# 1. on the host: a sequence whose new token starts a block gets a page (the cache grows, the
-#    block-table entry is staged); the lengths and new-token slots go into the next UVA slot;
+# 1. on the host: a sequence whose new token starts a block gets a page (the cache commits
+#    it, the block-table entry is staged); the lengths and new-token slots are written into
+#    the metadata table's host values;
 # 2. `apply_write()`: the staged block-table entries, one launch (nothing staged: nothing
-#    launched);
-# 3. torch writes the new K/V rows in place;
-# 4. JAX attends over the cache, reading block table and metadata in place.
+#    launched); `meta.sync()`: the metadata, one copy;
+# 3. the JAX step writes the new K/V into the cache and attends, reading the block table and
+#    the metadata in place.
 #
-# `attend` is traced again only when the committed cache grows (its input shape changes);
-# a real server would reserve and view the cache at bucketed sizes.
+# The step's shapes never change (its arrays span the full capacity), so it is compiled once
+# however often the cache grows.
 
 # %%
 steps = 20
 committed_mib, step_ms, grew = [], [], []
-for step in range(steps):
+for i in range(steps):
     start = time.perf_counter()
     new_pages = 0
     for s in range(num_seqs):
         if lengths[s] % BLOCK == 0:  # the new token starts a block
             pages_of[s].append(allocate_page(s, int(lengths[s]) // BLOCK))
             new_pages += 1
-    slots = [slot_of(s, int(lengths[s])) for s in range(num_seqs)]
-    positions = lengths.copy()
+    meta["slot"].np[:] = [slot_of(s, int(lengths[s])) for s in range(num_seqs)]
     lengths += 1
-    meta = meta_pool.copy_to_uva(np.stack([lengths, slots], axis=1).astype(np.int32))
+    meta["length"].np[:] = lengths
     block_table.apply_write()
-    if new_pages:
-        (k_torch, v_torch), (k_jax, v_jax) = cache_views()
-    write_kv(k_torch, v_torch, np.arange(num_seqs), positions, slots)
-    sync()
-    out = attend(k_jax, v_jax, bt_jax, meta).block_until_ready()
+    meta.sync()
+    out = step(bt_jax, fields["length"], fields["slot"]).block_until_ready()
     step_ms.append(1e3 * (time.perf_counter() - start))
-    committed_mib.append(cache.physical_bytes / MiB)
+    committed_mib.append(kv.physical_bytes / MiB)
     grew.append(new_pages)
-    if new_pages or step in (0, steps - 1):
+    if new_pages or i in (0, steps - 1):
         print(
-            f"step {step:2d}: lengths {lengths.tolist()} | +{new_pages} page(s) -> "
-            f"{num_pages} pages, {committed_mib[-1]:.0f} MiB | {step_ms[-1]:.1f} ms"
+            f"step {i:2d}: lengths {lengths.tolist()} | +{new_pages} page(s) -> "
+            f"{kv.num_blocks_committed} pages, {committed_mib[-1]:.0f} MiB | {step_ms[-1]:.1f} ms"
         )
+print("compiled steps:", step.compiled())
 
 # %% [markdown]
 # ## Check from torch
 #
-# The torch side reads the cache and the block table that JAX read, with no copy.
+# The torch side reads the cache and the block table that JAX wrote and read, with no copy.
 
 # %%
-worst_row, worst_out = torch_check(k_torch, v_torch, lengths, out)
+worst_row, worst_out = torch_check(lengths, out)
 print(f"K rows gathered by torch vs make_kv: max |diff| = {worst_row:.2e}")
 print(f"torch attention vs JAX attention:    max |diff| = {worst_out:.2e}")
 assert worst_row == 0.0 and worst_out < 1e-4
-print("cache base_ptr == the torch K view's pointer:", k_torch.data_ptr() == cache.base_ptr)
+print("the flat view, the torch K view and the step's K array share one address:")
+print(flat.ptr == k_torch.data_ptr() == step.caches[0].unsafe_buffer_pointer())
 
 # %% [markdown]
 # ## Memory and time per step
 #
-# Committed memory rises in whole pages (here one granule each, in K and in V) when a
-# sequence crosses a block boundary. Steps that grow the cache also re-trace `attend` for the
-# new cache shape, which shows up as the taller bars (step 0 holds the first trace). On the
-# CPU the block-table launch runs under Triton's interpreter, which adds to those steps too.
+# Committed memory rises in whole pages (one granule in K and one in V each) when a sequence
+# crosses a block boundary, and nothing is re-traced: step 0 holds the one compile. On the
+# CPU the block-table launch runs under Triton's interpreter, and JAX copies a donated
+# import, so each step also copies the cache's committed blocks back; on a GPU the step
+# writes the cache in place.
 
 # %%
 fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(9, 3))
@@ -328,9 +321,25 @@ fig.savefig(figure_path, dpi=72)
 print("figure saved to", figure_path)
 print(
     f"median step {np.median(step_ms):.1f} ms | committed {committed_mib[0]:.0f} -> "
-    f"{committed_mib[-1]:.0f} MiB of {cache.capacity_bytes // MiB} MiB reserved"
+    f"{committed_mib[-1]:.0f} MiB of {flat.nbytes // MiB} MiB reserved"
 )
 plt.show()
+
+# %% [markdown]
+# ## What a connector registers, and sleep
+#
+# `committed_views` trims each plane to the committed blocks: every byte mapped, what a
+# transfer connector registers (`jaxbuf.transfer.KVCacheEndpoint` does it for the whole
+# cache). `release_physical` discards the physical memory while every address stays valid
+# (an engine's sleep); `recommit` maps the same number of blocks again, zeroed.
+
+# %%
+k_view, v_view = kv.committed_views(0, "float32", (BLOCK, DIM))
+print("committed K:", k_view.shape, "| V:", v_view.shape)
+kv.release_physical()
+print("asleep:", kv.physical_bytes, "bytes,", kv.num_blocks_committed, "blocks")
+kv.recommit()
+print("awake: ", kv.physical_bytes // MiB, "MiB,", kv.num_blocks_committed, "blocks (zeroed)")
 
 # %% [markdown]
 # ## Clean up
@@ -339,8 +348,9 @@ plt.show()
 # dropping the framework arrays first releases it at once.
 
 # %%
-del k_torch, v_torch, k_jax, v_jax, bt_jax, bt_torch, meta, out
-meta_pool.close()
+del k_torch, v_torch, bt_jax, bt_torch, fields, out, flat, k_view, v_view
+step.close()
+meta.close()
 block_table.free()
-cache.free()
-print(cache)
+kv.free()
+print(kv)

@@ -1,6 +1,7 @@
 """The JAX benchmark suites (``jax.views``, ``jax.staged``, ``jax.decode``): run quickly through
 ``python -m jaxbuf bench --only jax`` on the CPU, rows well-formed with their baselines, the
-decode plot written; the decode loop's bookkeeping and write paths checked on small plans."""
+decode plot written; the decode loop's bookkeeping checked on small plans, in JAX and torch
+(``torch.decode``) over the public KV cache API; the ``kv.param_table`` rows."""
 
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ def test_staged_rows(jax_bench):
 
 
 def test_decode_rows_series_and_memory(jax_bench):
-    from jaxbuf.bench.jax_decode import _plan
+    from jaxbuf.bench._decode_plan import _plan
 
     rows = suite_rows(jax_bench[1], "jax.decode")
     for row in rows:
@@ -187,8 +188,12 @@ def test_decode_rows_series_and_memory(jax_bench):
         assert not mine["decode-step-realloc"]["target"]
         assert mine["decode-memory"]["median_s"] is None and mine["decode-memory"]["value"]
         assert not mine["decode-memory"]["baseline_name"]
-        assert step["params"]["write_path"] == "numpy"  # the CPU copies a donated import
-        assert "numpy" in step["notes"]
+        # The CPU copies a donated import: KVCacheStep writes the committed blocks back.
+        assert step["params"]["write_path"] == "write-back"
+        assert step["params"]["framework"] == "jax"
+        assert "KVCacheStep copies the committed blocks back" in step["notes"]
+        # One compiled step for every grow and profile: nothing compiled while timed.
+        assert "compiled inside the timed run" not in step["notes"]
         steps = step["params"]["steps"]
         series = step["params"]["series"]
         assert set(series) == {"jaxbuf", "preallocated", "realloc"}
@@ -219,14 +224,14 @@ def test_decode_rows_series_and_memory(jax_bench):
 # -- the decode loop's pieces, on small plans ------------------------------------------------
 def small_plan():
     from jaxbuf import granule_size
-    from jaxbuf.bench.jax_decode import _Plan
+    from jaxbuf.bench._decode_plan import _Plan
 
     return _Plan(3, 1, 8, 4, 16, 2, granule_size("cpu"))
 
 
 @pytest.mark.parametrize("profile", ["short", "long", "mixed"])
 def test_decode_schedule_pages_and_slots(profile):
-    from jaxbuf.bench._jax_decode_model import _final_lengths, _schedule
+    from jaxbuf.bench._decode_plan import _final_lengths, _schedule
 
     plan = small_plan()
     schedule = _schedule(plan, profile)
@@ -253,7 +258,7 @@ def test_decode_schedule_pages_and_slots(profile):
 
 
 def test_decode_plan_growth_step_is_whole_blocks_and_granules():
-    from jaxbuf.bench.jax_decode import _Plan
+    from jaxbuf.bench._decode_plan import _Plan
 
     granule = 2 << 20
     gpu_like = _Plan(32, 8, 128, 16, 2048, 8, granule)
@@ -268,41 +273,140 @@ def test_decode_plan_growth_step_is_whole_blocks_and_granules():
     assert step < granule and tiny.growth_step_bytes == step + granule
 
 
-@needs_jax
-@pytest.mark.parametrize(
-    "write_path",
-    ["numpy", pytest.param("torch", marks=needs_torch)],
-)
-def test_decode_write_paths_agree_with_the_preallocated_cache(write_path):
-    from jaxbuf.bench.jax_decode import _Model, _run, _schedule
+def _jax_runs(plan, profiles):
+    """Every variant of jax.decode over ``profiles``, one jaxbuf state (one KVCacheStep)."""
+    from jaxbuf.bench._decode_plan import VARIANTS, _schedule
+    from jaxbuf.bench.jax_decode import _Jaxbuf, _Model, _run
 
-    device = as_device("cpu")
-    plan = small_plan()
-    model = _Model(plan, device, write_path)
-    schedule = _schedule(plan, "mixed")
-    jaxbuf = _run(model, "jaxbuf", schedule, device)
-    preallocated = _run(model, "preallocated", schedule, device)
-    realloc = _run(model, "realloc", schedule, device)
-    for run in (jaxbuf, realloc):
-        np.testing.assert_array_equal(run.block_table, preallocated.block_table)
-        np.testing.assert_allclose(run.out, preallocated.out, rtol=1e-5, atol=1e-5)
-    assert len(jaxbuf.step_s) == schedule.steps
-    assert set(jaxbuf.held_bytes) == {plan.granule}  # the whole cache fits one granule
+    model = _Model(plan, as_device("cpu"))
+    state = _Jaxbuf(model)
+    try:
+        return (
+            model,
+            state.step.in_place,
+            [{v: _run(model, state, v, _schedule(plan, p)) for v in VARIANTS} for p in profiles],
+        )
+    finally:
+        state.close()
 
 
 @needs_jax
-def test_decode_refuses_a_donated_import_that_is_copied():
-    """The CPU client copies a donated import: forcing the in-place path must fail loudly
-    instead of timing a JAX-owned copy as if it were jaxbuf memory."""
-    from jaxbuf.bench._jax_decode_model import _donation_in_place
-    from jaxbuf.bench.jax_decode import _Model, _run, _schedule
-
-    device = as_device("cpu")
-    assert _donation_in_place(device) is False
+def test_jax_decode_over_the_kv_cache_agrees_with_the_preallocated_cache():
+    """jaxbuf's cache (ExtensibleKVCacheBuffers under a KVCacheStep, metadata from a
+    DeviceParamTable) computes what the plain JAX caches do, commits blocks as the schedule
+    needs them, and keeps one compiled step across grows and profiles."""
     plan = small_plan()
-    model = _Model(plan, device, "donate")
-    with pytest.raises(RuntimeError, match="in place"):
-        _run(model, "jaxbuf", _schedule(plan, "short"), device)
+    _, in_place, runs = _jax_runs(plan, ["long", "mixed", "short"])
+    assert in_place is False  # the CPU client copies a donated import: the write-back path
+    for profile_runs in runs:
+        preallocated = profile_runs["preallocated"]
+        for variant in ("jaxbuf", "realloc"):
+            run = profile_runs[variant]
+            np.testing.assert_array_equal(run.block_table, preallocated.block_table)
+            np.testing.assert_allclose(run.out, preallocated.out, rtol=1e-5, atol=1e-5)
+        assert set(profile_runs["jaxbuf"].held_bytes) == {plan.granule}  # one granule holds it
+    # The first profile compiled the step (once); the later ones, and every grow, reuse it.
+    assert [r["jaxbuf"].compiles for r in runs][1:] == [0, 0]
+
+
+@needs_torch
+def test_torch_decode_over_the_kv_cache_agrees_with_jax_and_its_baselines():
+    """torch.decode: the same loop through the cache's torch view and the table's torch
+    fields; its variants agree with each other and with jax.decode's output."""
+    from jaxbuf.bench._decode_plan import VARIANTS, _schedule
+    from jaxbuf.bench.torch_decode import _Model, _run
+
+    plan = small_plan()
+    model = _Model(plan, as_device("cpu"))
+    for profile in ("mixed", "long"):
+        schedule = _schedule(plan, profile)
+        runs = {v: _run(model, v, schedule) for v in VARIANTS}
+        for variant in ("jaxbuf", "realloc"):
+            np.testing.assert_array_equal(
+                runs[variant].block_table, runs["preallocated"].block_table
+            )
+            np.testing.assert_allclose(
+                runs[variant].out, runs["preallocated"].out, rtol=1e-5, atol=1e-5
+            )
+        assert len(runs["jaxbuf"].held_bytes) == schedule.steps
+    if JAX_REASON is None:  # the same math in both frameworks
+        _, _, jax_runs = _jax_runs(plan, ["long"])
+        np.testing.assert_allclose(
+            runs["jaxbuf"].out, jax_runs[0]["jaxbuf"].out, rtol=1e-4, atol=1e-4
+        )
+
+
+@needs_torch
+def test_torch_decode_suite_rows(monkeypatch):
+    from jaxbuf.bench import torch_decode
+
+    suite = load_suites()["torch.decode"]
+    assert suite.requires == ("torch",)
+    monkeypatch.setattr(torch_decode, "_plan", lambda device, quick: small_plan())
+    rows = [row for row in suite.run(as_device("cpu"), True) if isinstance(row, Row)]
+    kinds = [row.params["kind"] for row in rows]
+    assert (
+        kinds
+        == [
+            "decode-step",
+            "decode-step-realloc",
+            "decode-memory",
+            "decode-spike",
+            "decode-spike-realloc",
+        ]
+        * 3
+    )
+    step = rows[0]
+    assert step.params["framework"] == "torch" and step.name.startswith("torch decode short")
+    assert step.baseline_name == "preallocated torch cache, median step"
+    assert step.not_judged_here.startswith("a GPU target: ")
+    assert rows[1].baseline_name == "torch realloc+copy cache, median step"
+    assert all(row.met for row in rows if row.params["kind"] == "decode-memory")
+
+
+@needs_jax
+def test_param_table_rows():
+    """kv.param_table: unchanged and changed steps, each against the seed's per-field copies
+    (the target) and jax.device_put (for comparison), from the same rounds."""
+    suite = load_suites()["kv.param_table"]
+    rows = [row for row in suite.run(as_device("cpu"), True) if isinstance(row, Row)]
+    assert [(row.params["step"], row.params["kind"]) for row in rows] == [
+        ("unchanged", "param-table-seed"),
+        ("unchanged", "param-table-device-put"),
+        ("changed", "param-table-seed"),
+        ("changed", "param-table-device-put"),
+    ]
+    for row in rows:
+        assert row.median_s > 0 and row.baseline_median_s > 0
+        low, high = row.spread
+        assert 0 < low <= high
+    unchanged, _, changed, _ = rows
+    assert (
+        unchanged.baseline_name.startswith("seed-style")
+        and unchanged.target == "<= 0.25x seed-style"
+    )
+    assert unchanged.not_judged_here == ""  # copying nothing is cheaper on any device
+    assert changed.target == "<= 1x seed-style"
+    assert changed.not_judged_here.startswith("a GPU target: ")
+    assert rows[1].baseline_name.startswith("jax.device_put") and not rows[1].target
+    # An unchanged step copies nothing: far below a step that copies.
+    assert unchanged.median_s < changed.median_s
+
+
+def test_param_table_seed_style_copies_every_field():
+    """The seed-style baseline moves each field's host values to its device array."""
+    from jaxbuf.bench.kv_param_table import FIELDS, _SeedStyle
+
+    seed = _SeedStyle(16, as_device("cpu"))
+    try:
+        for i, name in enumerate(FIELDS):
+            seed.np[name][:] = i + 1
+        seed.copy_to_gpu()
+        for i, (column, host) in enumerate(zip(seed.devices, seed.hosts)):
+            got = column.segment_view(0).to_numpy()[: host.nbytes].view(host.np.dtype)
+            assert (got == i + 1).all()
+    finally:
+        seed.close()
 
 
 # -- the plot ----------------------------------------------------------------------------------
@@ -389,7 +493,7 @@ def test_jax_suites_on_the_gpu(tmp_path):
             if row["baseline_name"]:
                 check_row(row)
     decode = suite_rows(document, "jax.decode")
-    assert {row["params"]["write_path"] for row in decode} <= {"donate", "torch"}
+    assert {row["params"]["write_path"] for row in decode} == {"donate"}
 
 
 def test_round_by_round_alternates_the_order_and_takes_each_median():

@@ -155,7 +155,8 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
         assert bool(suite_result["rows"]) != bool(suite_result["skipped"]), suite_result
         assert suite_result["interpreter"] is False  # not asked for: no interpreter figures
         for row in suite_result["rows"]:
-            assert row["median_s"] > 0
+            # A time, or a value of another kind (a decode loop's bytes held).
+            assert row["median_s"] > 0 if row["median_s"] is not None else row["value"], row
             if row["baseline_median_s"] is not None:
                 # One direction everywhere: jaxbuf ÷ baseline, lower is better.
                 assert row["ratio"] == pytest.approx(row["median_s"] / row["baseline_median_s"])
@@ -989,6 +990,24 @@ def test_the_decode_plot_draws_and_explains_the_granule_floor(captured_figures, 
     figure, note = captured_figures[1]
     assert not [line for line in figure.axes[0].lines if line.get_label().startswith("granule")]
     assert "granule" not in note
+
+
+def test_the_decode_plot_names_each_profile_s_framework(captured_figures, tmp_path):
+    """jax.decode and torch.decode rows side by side: each column's title and baselines say
+    which framework ran (rows without ``framework`` are JAX's)."""
+    from jaxbuf.cli._plots import _plot_decode
+
+    torch_rows = _decode_rows()
+    torch_rows[0]["rows"][0]["params"]["framework"] = "torch"
+    torch_rows[0]["name"] = "torch.decode"
+    assert _plot_decode(_decode_rows() + torch_rows, tmp_path / "d.png", "cpu")
+    figure, _ = captured_figures[0]
+    memory_jax, memory_torch = figure.axes[0], figure.axes[1]
+    assert memory_jax.get_title().startswith("JAX, ")
+    assert memory_torch.get_title().startswith("torch, ")
+    labels = {line.get_label() for line in memory_torch.lines}
+    assert {"jaxbuf KV cache", "torch, preallocated", "torch, realloc+copy"} <= labels
+    assert "JAX, preallocated" in {line.get_label() for line in memory_jax.lines}
 
 
 def test_the_readme_names_every_file_the_bench_command_writes():

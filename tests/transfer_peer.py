@@ -138,3 +138,84 @@ class PeerProcess:
         result = self("stop")
         self.process.join(30)
         return result
+
+
+def serve_cache(
+    connection: Any,
+    name: str,
+    capacity_blocks: int,
+    tensors: list[tuple[int, int]],
+    transport: str = "local",
+) -> None:
+    """:func:`serve` for a whole KV cache: a :class:`~jaxbuf.ExtensibleKVCacheBuffers` of
+    ``tensors`` (``(num_segments, bytes_per_block_per_segment)`` each) on the CPU under a
+    :class:`~jaxbuf.transfer.KVCacheEndpoint`; blocks are read and written by
+    ``(tensor, segment, block)``."""
+    import numpy as np
+
+    import jaxbuf
+    from jaxbuf.transfer import Agent, KVCacheEndpoint
+
+    builder = jaxbuf.ExtensibleKVCacheBuilder(capacity_blocks, "cpu")
+    for num_segments, block_bytes in tensors:
+        builder.reserve(capacity_blocks * num_segments * block_bytes, num_segments)
+    cache = builder.finish()
+    agent = None if transport == "local" else Agent(name)
+    endpoint = KVCacheEndpoint(agent or name, cache, transport=transport)
+
+    def block(tensor: int, segment: int, first: int) -> np.ndarray:
+        return cache.segment_views(tensor)[segment].to_numpy()[first]  # a (block_bytes,) row
+
+    def put(tensor: int, segment: int, first: int, data: bytes) -> None:
+        block(tensor, segment, first)[:] = np.frombuffer(data, np.uint8)
+
+    commands = {
+        "commit": lambda n, defragment=False: cache.commit(n, defragment=defragment),
+        "release": cache.release_physical,
+        "recommit": cache.recommit,
+        "committed": lambda: cache.num_blocks_committed,
+        "metadata": endpoint.metadata,
+        "connect": lambda message: endpoint.connect(message).transport,
+        "get": lambda tensor, segment, first: block(tensor, segment, first).tobytes(),
+        "dump": lambda: [  # every committed block, (segments, blocks, bytes) per tensor
+            np.stack(
+                [view.to_numpy()[: cache.num_blocks_committed] for view in cache.segment_views(t)]
+            ).tobytes()
+            for t in range(len(cache))
+        ],
+        "put": put,
+        "write": lambda peer, local, remote, note=b"": endpoint.write(
+            peer, local, remote, notification=note
+        ).wait(30),
+        "pull": lambda peer, local, remote: endpoint.read(peer, local, remote).wait(30),
+        "wait_notification": lambda peer, message: endpoint.wait_notification(peer, message, 30),
+    }
+    while True:
+        command, *args = connection.recv()
+        if command == "stop":
+            endpoint.close()
+            cache.free()
+            connection.send(("ok", None))
+            return
+        try:
+            connection.send(("ok", commands[command](*args)))
+        except Exception as error:  # noqa: BLE001 - sent back to the test, which raises it
+            connection.send(("error", f"{type(error).__name__}: {error}"))
+
+
+class CachePeerProcess(PeerProcess):
+    """A :func:`serve_cache` process: ``peer("commit", 8)``."""
+
+    def __init__(
+        self, name: str, capacity_blocks: int, tensors: list, transport: str = "local"
+    ) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(
+            target=serve_cache,
+            args=(child, name, capacity_blocks, tensors, transport),
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+        self.name = name

@@ -1,7 +1,8 @@
 """The PNGs of ``jaxbuf bench --plot``: growth cost against committed size
-(``extensible.growth``), the decode loop's memory and step time (``jax.decode``) and the staged
-apply's time against writes per pattern (``staged.patterns``), drawn from the rows of a run's
-JSON result (what the suites emit, on any device).
+(``extensible.growth``), the decode loops' memory and step time (``jax.decode``,
+``torch.decode``) and the staged apply's time against writes per pattern
+(``staged.patterns``), drawn from the rows of a run's JSON result (what the suites emit, on
+any device).
 
 Every plot draws jaxbuf the same way (:data:`JAXBUF_STYLE`: a colour no baseline uses, a
 heavier line, above every other artist), keeps its legends outside the data, labels sizes in
@@ -276,21 +277,32 @@ def _has_growth_rows(results: list[dict[str, Any]]) -> bool:
 
 
 # -- decode -----------------------------------------------------------------------------------
-#: variant -> (label, colour, line width, z-order): jaxbuf above the baselines.
+#: variant -> (label, colour, line width, z-order): jaxbuf above the baselines. A label's
+#: ``{framework}`` is the row's (``params["framework"]``: the suite's, jax.decode or
+#: torch.decode).
 _DECODE_VARIANTS = {
-    "jaxbuf": ("jaxbuf ExtensibleTensor", JAXBUF_COLOUR, JAXBUF_STYLE["lw"], JAXBUF_ZORDER),
-    "preallocated": ("JAX, preallocated", "#1f77b4", BASELINE_LW, 4),
-    "realloc": ("JAX, realloc+copy", "#9467bd", 1.0, 5),
+    "jaxbuf": ("jaxbuf KV cache", JAXBUF_COLOUR, JAXBUF_STYLE["lw"], JAXBUF_ZORDER),
+    "preallocated": ("{framework}, preallocated", "#1f77b4", BASELINE_LW, 4),
+    "realloc": ("{framework}, realloc+copy", "#9467bd", 1.0, 5),
 }
+_FRAMEWORK_NAMES = {"jax": "JAX", "torch": "torch"}
 
 
 def _decode_series(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The params of the ``jax.decode`` rows that carry per-step series, one per profile."""
+    """The params of the decode rows (``jax.decode``, ``torch.decode``) that carry per-step
+    series, one per profile and framework."""
     return [
         row["params"]
         for row in _measured_rows(results)
         if row["params"].get("kind") == "decode-step" and row["params"].get("series")
     ]
+
+
+def _framework(params: dict[str, Any]) -> str:
+    """The framework a decode profile ran in, as a title says it (JAX where unsaid: the
+    rows of runs before torch.decode existed)."""
+    name = params.get("framework", "jax")
+    return _FRAMEWORK_NAMES.get(name, name)
 
 
 def _rolling_median(values: list[float], window: int) -> list[float]:
@@ -305,8 +317,11 @@ def _median_window(steps: int) -> int:
     return max(5, steps // 16) | 1
 
 
-def _decode_look(variant: str) -> tuple[str, str, float, int]:
-    return _DECODE_VARIANTS.get(variant, (variant, "#7f7f7f", BASELINE_LW, 3))
+def _decode_look(variant: str, params: dict[str, Any]) -> tuple[str, str, float, int]:
+    label, colour, width, zorder = _DECODE_VARIANTS.get(
+        variant, (variant, "#7f7f7f", BASELINE_LW, 3)
+    )
+    return label.format(framework=_framework(params)), colour, width, zorder
 
 
 def _granule_floor(params: dict[str, Any]) -> int | None:
@@ -323,7 +338,7 @@ def _draw_decode_memory(axis: Any, params: dict[str, Any]) -> None:
     from jaxbuf.bench import format_bytes
 
     for variant, series in params["series"].items():
-        label, colour, width, zorder = _decode_look(variant)
+        label, colour, width, zorder = _decode_look(variant, params)
         held = series["held_bytes"]
         axis.step(
             range(len(held)),
@@ -365,7 +380,7 @@ def _draw_decode_time(axis: Any, params: dict[str, Any]) -> int:
     """Step time per variant as a rolling median, its slowest steps marked; the window."""
     window = 1
     for variant, series in params["series"].items():
-        label, colour, width, zorder = _decode_look(variant)
+        label, colour, width, zorder = _decode_look(variant, params)
         times = [s * 1e3 for s in series["step_s"]]
         if not times:
             continue
@@ -390,9 +405,10 @@ def _draw_decode_time(axis: Any, params: dict[str, Any]) -> int:
 
 
 def _plot_decode(results: list[dict[str, Any]], path: Path, device: Any) -> bool:
-    """PNG of the decode loop (``jax.decode``): for each length profile, the bytes the KV
-    cache holds at every step and the step time (a rolling median, the slowest steps
-    marked), jaxbuf beside the preallocated cache and realloc+copy. False: no data."""
+    """PNG of the decode loops (``jax.decode``, ``torch.decode``): for each length profile
+    and framework, the bytes the KV cache holds at every step and the step time (a rolling
+    median, the slowest steps marked), jaxbuf beside the preallocated cache and
+    realloc+copy. False: no data."""
     profiles = _decode_series(results)
     if not profiles:
         return False
@@ -407,10 +423,10 @@ def _plot_decode(results: list[dict[str, Any]], path: Path, device: Any) -> bool
         memory, time_axis = axes[0][column], axes[1][column]
         _draw_decode_memory(memory, params)
         window = _draw_decode_time(time_axis, params)
-        memory.set_title(f"{params['profile']} lengths on {device}: KV cache memory")
+        what = f"{_framework(params)}, {params['profile']} lengths on {device}"
+        memory.set_title(f"{what}: KV cache memory")
         time_axis.set_title(
-            f"{params['profile']} lengths on {device}: step time\n"
-            f"(median of {window} steps around each)",
+            f"{what}: step time\n(median of {window} steps around each)",
             fontsize=10,
         )
         for axis in (memory, time_axis):

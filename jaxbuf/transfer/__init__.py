@@ -10,6 +10,10 @@ follow a growing buffer.
   or **NIXL** between hosts (prepared descriptor lists refreshed when either side grows,
   descriptors split at registration boundaries). ``jaxbuf info`` says which a transfer would
   take here.
+* :class:`KVCacheEndpoint` does the same for a whole :class:`~jaxbuf.ExtensibleKVCacheBuffers`:
+  one request of block ids moves those blocks in every KV-cache tensor (one
+  :class:`KVEndpoint` per tensor, each with its ``bytes_per_block_per_segment``), following
+  the cache's ``commit``, ``release_physical``, ``recommit`` and ``defragment=True``.
 * :class:`Registration` registers an :class:`~jaxbuf.ExtensibleTensor`'s chunks with a NIXL
   agent and follows the buffer: a grow registers only what it mapped, ``release_physical``,
   ``defragment`` and ``free`` deregister before they unmap, a recommit registers again; with
@@ -41,6 +45,7 @@ Two endpoints in one process (two processes exchange ``metadata()`` the same way
 >>> ea.close(); eb.close(); a.free(); b.free()
 """
 
+from jaxbuf.transfer._cache_endpoint import KVCacheEndpoint, KVCachePeer, KVCacheTransfer
 from jaxbuf.transfer._endpoint import (
     TRANSPORTS,
     KVEndpoint,
@@ -56,6 +61,9 @@ from jaxbuf.transfer._wire import LocalAddress, RemoteLayout
 __all__ = [
     "TRANSPORTS",
     "Agent",
+    "KVCacheEndpoint",
+    "KVCachePeer",
+    "KVCacheTransfer",
     "KVEndpoint",
     "KVLayout",
     "LocalAddress",
