@@ -25,9 +25,9 @@
 # A `FusedStagedWriter` does the same for several tables at once, of different dtypes.
 #
 # For JAX code there is the same path inside `jax.jit`: `jaxbuf.jax_ops.StagedWrites` stages
-# on the same C stager, and `apply_staged_writes` applies the writes in the jitted step (the
-# Triton kernel through `jax_triton` on a GPU, an XLA scatter on the CPU), with the array
-# donated so it is updated in place.
+# on the same C stager, and `apply_staged_writes` applies the writes in the jitted step (an
+# XLA scatter by default, on every platform), with the array donated so it is updated in
+# place.
 #
 # On the CPU the Triton kernel runs under Triton's interpreter (slow; write counts here are
 # kept small), on CUDA it is compiled.
@@ -147,31 +147,43 @@ print("row 0:", table.to_torch()[0].cpu().tolist())
 # writes staged on all of them with a single launch: the kernel's group table holds each
 # target's pointer, row stride and element size.
 #
-# To show that it is one launch, the cell counts calls of the writer's launcher (a private
-# attribute, peeked at here for the demonstration only).
+# To show that it is one launch, the cell counts the calls of the kernel's launcher with
+# Python's profiler: `jaxbuf.kernels.staged_write.CompiledLauncher` on a GPU, and on the CPU
+# `jaxbuf.kernels.apply_staged_writes`, which runs the kernel under Triton's interpreter.
 
 # %%
 num_seqs, max_blocks = 4, 6
 block_table = StagedWriteTensor((num_seqs, max_blocks), "int32", device=device)
 scales = StagedWriteTensor((num_seqs, 2), "float32", device=device)
 biases = StagedWriteTensor((num_seqs, 2), "bfloat16", device=device)
-writer = FusedStagedWriter(device, 64)
+writer = FusedStagedWriter(device=device, max_writes=64)
 
-launches = []
-launch = writer._launch
-writer._launch = lambda *args, **kwargs: (
-    launches.append(args[0].num_writes),
-    launch(*args, **kwargs),
-)  # args[0]: the launch's named arguments (kernels.StagedLaunch)
+import cProfile
+import pstats
+
+from jaxbuf.kernels import apply_staged_writes as interpreted_launch
+from jaxbuf.kernels.staged_write import CompiledLauncher
+
+launcher = (CompiledLauncher.__call__ if device.is_cuda else interpreted_launch).__code__
+
+
+def launches(run) -> int:
+    """How many kernel launches ``run()`` makes: calls of the launcher, profiled."""
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    key = (launcher.co_filename, launcher.co_firstlineno, launcher.co_name)
+    return pstats.Stats(profile).stats.get(key, (0, 0))[1]
+
 
 for seq in range(num_seqs):
     block_table.stage_write(seq, 0, list(range(seq * 10, seq * 10 + seq + 1)))
     scales.stage_write(seq, 0, [0.5 * seq, 1.0])
     biases.stage_write(seq, 0, np.array([seq / 3, -1.0], dtype=np.float32))  # rounded to bf16
-writer.apply([block_table, scales, biases])
+staged_now = sum(t.num_staged_writes for t in (block_table, scales, biases))
+count = launches(lambda: writer.apply([block_table, scales, biases]))
 sync()
 
-print("launches:", len(launches), "| writes in that launch:", launches[0])
+print("writes staged:", staged_now, "| launches to apply them:", count)
 print("block table (torch):\n", block_table.to_torch().cpu())
 print("scales (JAX):\n", scales.to_jax())
 print("biases (torch, bfloat16):\n", biases.to_torch().cpu())
@@ -182,9 +194,10 @@ print("biases (torch, bfloat16):\n", biases.to_torch().cpu())
 
 # %%
 block_table.stage_write(2, 3, [99])
-writer.apply([block_table, scales, biases])
-writer.apply([block_table, scales, biases])  # nothing staged: no launch
-print("launches so far:", len(launches), "| row 2:", block_table.to_torch()[2].cpu().tolist())
+count = launches(lambda: writer.apply([block_table, scales, biases]))
+count_empty = launches(lambda: writer.apply([block_table, scales, biases]))  # nothing staged
+sync()
+print("launches:", count, "then", count_empty, "| row 2:", block_table.to_torch()[2].cpu().tolist())
 
 # %% [markdown]
 # `clear_staged_writes()` drops writes that should not happen after all:
@@ -218,7 +231,7 @@ traces = []
 
 def update(array, packed):
     traces.append(packed.rows.shape[0])  # runs only while tracing
-    return apply_staged_writes(array, packed)  # default: Triton on a GPU, scatter on the CPU
+    return apply_staged_writes(array, packed)  # default: an XLA scatter, on every platform
 
 
 update = jax.jit(update, donate_argnums=0)

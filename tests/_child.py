@@ -43,6 +43,7 @@ class Worker:
     def ensure(self) -> None:
         if self.alive:
             return
+        self._close_pipes()  # a worker that died: its replacement gets new pipes
         env = dict(os.environ, PYTHONFAULTHANDLER="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
         self.process = subprocess.Popen(
             [sys.executable, str(self.script)],
@@ -79,6 +80,14 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        """Close the pipes of the last process (ended): left open, each is reported as an
+        unclosed file when the runner exits."""
+        if self.process is not None:
+            self.process.stdin.close()
+            self.process.stdout.close()
 
 
 def write_frame(fd: int, value: object) -> None:

@@ -112,8 +112,9 @@ class _Server:
         return subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(status), stdout, stderr)
 
     def close(self) -> None:
-        self.process.stdin.close()
+        self.process.stdin.close()  # the server reads EOF and exits
         self.process.wait()
+        self.process.stdout.close()  # else it is reported unclosed when the runner exits
 
 
 _servers: dict[tuple, _Server] = {}

@@ -15,6 +15,10 @@ import signal
 
 # JAX would otherwise take most of the GPU at its first use, starving VMM allocations.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Triton 3.9 warns at every compile that leaves FP fusion to this variable (its default flips
+# in 3.10). The staged-write kernels only load and store, so fusion changes nothing in them:
+# take 3.10's default now, here and in every child process (they inherit the environment).
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
 
 import pytest  # noqa: E402
 
@@ -46,6 +50,14 @@ def pytest_collection_finish(session):
     Only objects alive now are frozen, so nothing a test creates escapes collection."""
     gc.collect()
     gc.freeze()
+
+
+def pytest_unconfigure(config):
+    """Give the frozen objects back to the collector before the interpreter exits. Shutdown
+    never collects the permanent generation: the module cycles frozen above would outlive
+    finalization, and nanobind would report every Triton function and type as leaked
+    (``nanobind: leaked 514 functions!``, once per worker and per child that imports Triton)."""
+    gc.unfreeze()
 
 
 def pytest_report_header(config):
