@@ -192,3 +192,64 @@ def test_an_endpoint_close_interrupted_in_a_peer_import_finishes_next_time(monke
     assert threading.active_count() <= threads
     owner.free()
     mine.free()
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+@pytest.mark.parametrize("cls", ["UvaBuffer", "NonUvaBuffer"])
+def test_an_interrupted_free_never_releases_under_a_live_export(monkeypatch, cls, where):
+    """Found by the state machine's timer signal (SIGSEGV reading an export): a Ctrl-C in
+    UvaBuffer.free() before its lifetime closed, or after it closed with exports alive, was
+    taken for a failed release and the buffer reopened over a new lifetime, so the next
+    free() released the memory under the exports. NonUvaBuffer.free() interrupted after the
+    close, before it forgot the allocation, did the same on the next call. The exports keep
+    the memory until the last one goes, whatever the interrupt cut short."""
+    from jaxbuf import _owner
+
+    driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+    buf = getattr(jaxbuf, cls)((4, 1024), "int32", "cpu", driver=driver)
+    buf.np[...] = 7
+    if cls == "NonUvaBuffer":
+        buf.uva()
+    held = buf.view.to_numpy()
+    close, interrupts = _owner.Lifetime.close, [KeyboardInterrupt()]
+
+    def interrupted_once(self, release_now):
+        if where == "after" and interrupts:
+            close(self, release_now)
+        if interrupts:
+            raise interrupts.pop()
+        return close(self, release_now)
+
+    monkeypatch.setattr(_owner.Lifetime, "close", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        buf.free()
+    buf.free()  # released the memory under `held` before the fix
+    assert not buf.released and (held == 7).all()
+    del held
+    assert buf.released
+    driver.disarm()
+    driver.assert_clean()
+
+
+def test_an_interrupt_in_a_finalizers_release_queues_it(monkeypatch):
+    """Found by the state machine (a KeyboardInterrupt at host_free while a dropped buffer
+    was collected): the finalizer caught Exception only, so the interrupt went to "Exception
+    ignored" and the release was lost, the pinned block with it. It is queued like any failed
+    release now (retried at the driver's next use), and the interrupt still goes where
+    Python sends an exception raised in a finalizer."""
+    import gc
+    import sys
+
+    driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+    buf = jaxbuf.UvaBuffer((4, 1024), "int32", "cpu", driver=driver)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    driver.fail_on("host_free", 1, KeyboardInterrupt())
+    with pytest.warns(ResourceWarning, match="retried"):
+        del buf
+        gc.collect()
+    assert [type(report.exc_value) for report in unraisable] == [KeyboardInterrupt]
+    assert driver.pinned  # not freed yet, but queued:
+    assert _lifetime.deferred_releases(driver)
+    _lifetime.retry_deferred(driver)
+    driver.assert_clean()
