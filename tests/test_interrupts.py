@@ -253,3 +253,42 @@ def test_an_interrupt_in_a_finalizers_release_queues_it(monkeypatch):
     assert _lifetime.deferred_releases(driver)
     _lifetime.retry_deferred(driver)
     driver.assert_clean()
+
+
+@pytest.mark.parametrize("owner", ["ExtensibleTensor", "ImportedBuffer"])
+def test_a_copy_export_racing_free_refuses_rather_than_copy_zeros(monkeypatch, owner):
+    """Found by the state machine's copy-export race: a copy (np.from_dlpack(copy=True))
+    on another thread, landing inside free() (or an import's close()) after it had emptied
+    the committed sizes but before it closed, read no committed range and returned zeros for
+    the bytes, with no error. The interleaving is forced here: the copy runs as the free
+    closes. The owner closes first now, and the copy refuses (ClosedError) or copies the
+    true bytes."""
+    import numpy as np
+
+    from jaxbuf import ClosedError, _owner
+    from jaxbuf.sharing import ImportedBuffer, export_layout
+
+    tensor = jaxbuf.ExtensibleTensor(4 * MiB, "cpu")
+    tensor.resize_per_segment_(MiB)
+    tensor.segment_view(0).to_numpy()[:] = 9
+    close, source = tensor.free, tensor
+    if owner == "ImportedBuffer":
+        layout, fds = export_layout(tensor)
+        imported = ImportedBuffer(layout, list(fds))
+        close, source = imported.close, imported
+    view = source.segment_view(0)
+    lifetime_close, copies = _owner.Lifetime.close, []
+
+    def copy_in_between(self, release_now):
+        if not copies:  # "another thread", as this free closes
+            try:
+                copies.append(np.from_dlpack(view, copy=True))
+            except ClosedError as error:
+                copies.append(error)
+        return lifetime_close(self, release_now)
+
+    monkeypatch.setattr(_owner.Lifetime, "close", copy_in_between)
+    close()
+    monkeypatch.undo()
+    assert copies and (isinstance(copies[0], ClosedError) or (copies[0] == 9).all())
+    tensor.free()
