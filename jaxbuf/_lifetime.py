@@ -46,22 +46,27 @@ def release_when_collected(
         return
     try:
         release()
-    except Exception as error:  # noqa: BLE001 - no caller to raise to: reported, not hidden
+    except BaseException as error:  # noqa: BLE001 - no caller to raise to: reported, not hidden
         if driver is None:
             _warn(
                 f"jaxbuf: releasing {what} during garbage collection failed (it leaks): {error!r}",
                 ResourceWarning,
                 stacklevel=3,
             )
-            return
-        with _deferred_lock:
-            _deferred.append((driver, release, what))
-        _warn(
-            f"jaxbuf: releasing {what} during garbage collection failed: {error!r}; it is "
-            "retried at the next use of its driver and at interpreter exit",
-            ResourceWarning,
-            stacklevel=3,
-        )
+        else:
+            with _deferred_lock:
+                _deferred.append((driver, release, what))
+            _warn(
+                f"jaxbuf: releasing {what} during garbage collection failed: {error!r}; it is "
+                "retried at the next use of its driver and at interpreter exit",
+                ResourceWarning,
+                stacklevel=3,
+            )
+        if not isinstance(error, Exception):
+            # An interrupt (Ctrl-C, an exception from a signal handler) fails the release
+            # like any other error: queued above, so nothing leaks. It goes on as Python
+            # reports any exception in a finalizer (there is no caller to deliver it to).
+            raise
 
 
 def retry_deferred(driver: Any = None) -> None:

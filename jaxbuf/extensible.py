@@ -452,11 +452,15 @@ class ExtensibleTensor(SegmentedReservation):
             # "I am done" ends every registration now, even while exports keep the memory
             # mapped; a refusal (a transfer in flight) propagates before anything changes.
             buffer.remove_all_mapping_listeners()
-        self._committed = [0] * self.num_segments
-        if self._lifetime.closed:  # a release that failed before: retry it
-            self._release_now(buffer)
-        else:
-            self._lifetime.close(self._release_now)
+        try:
+            if self._lifetime.closed:  # a release that failed before: retry it
+                self._release_now(buffer)
+            else:
+                self._lifetime.close(self._release_now)
+        finally:
+            # After the close, never before: a copy export on another thread that read the
+            # sizes before the close then sees it (and refuses), instead of copying zeros.
+            self._committed = [0] * self.num_segments
         # Released, or left to the exports (the anchor holds the buffer; its __del__ runs
         # when the last export goes): either way this handle holds it no more.
         self._buffer = None

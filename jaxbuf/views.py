@@ -129,6 +129,13 @@ def _copy_capsule(view: BufferView, device_type: int, device_id: int, versioned:
         # which may sit on a non-blocking stream (torch's) the default stream does not wait for.
         _order_after_owner(view, _DEFAULT_STREAM.get(view.dlpack_device_type))
         runs = _readable_runs(view, nbytes)
+        # A free() on another thread after this copy took its export empties the committed
+        # ranges (the export keeps the memory mapped): refuse then, rather than hand out
+        # zeros for the bytes. Owners close first and empty them after, so ranges read
+        # before the close are the true ones and this check sees any close before them.
+        check_exportable = getattr(view.owner, "check_exportable", None)
+        if check_exportable is not None:
+            check_exportable()
         whole = runs == [(view.ptr, view.ptr + nbytes)]
         if device_type == K_DL_CPU:
             anchor_target = (np.empty if whole else np.zeros)(nbytes, np.uint8)

@@ -16,10 +16,13 @@ Only public API is used (``jaxbuf.*``, ``jaxbuf.jax_ops``, ``jaxbuf.testing``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
+import signal
 import socket
 import sys
+import threading
 import traceback
 import warnings
 from pathlib import Path
@@ -30,6 +33,9 @@ MIB = 1 << 20
 
 # The only exception types the public API documents (DriverError is a RuntimeError).
 DOCUMENTED = (ValueError, TypeError, IndexError, BufferError, RuntimeError)
+# What a step may end in besides: a KeyboardInterrupt the step armed (a driver call that
+# raises it, or the timer signal). It counts as the failure of the one call it landed in.
+FAILURES = (*DOCUMENTED, KeyboardInterrupt)
 
 DTYPES = ("uint8", "int8", "int16", "int32", "float32", "float16", "bfloat16", "int64")
 
@@ -120,12 +126,11 @@ class World:
     def __init__(self, device: str, framework: str) -> None:
         import jaxbuf
         from jaxbuf.drivers import get_vmm_driver
-        from jaxbuf.testing import FaultInjectingDriver
 
         self.jaxbuf = jaxbuf
         self.device = device
         self.framework = framework
-        self.driver = FaultInjectingDriver(get_vmm_driver(device))
+        self.driver = _interruptible_driver()(get_vmm_driver(device))
         self.ets: dict[int, EtModel] = {}
         self.exports: list[Export] = []
         self.pools: dict[int, dict] = {}
@@ -215,7 +220,7 @@ class World:
                     model.obj.resize_per_segment_(sizes[0], zero_new=zero_new)
                 else:
                     model.obj.resize_segments_(sizes, zero_new=zero_new)
-            except DOCUMENTED as error:
+            except FAILURES as error:
                 if _is_driver_error(error):
                     model.dirty = True
                 if valid and not _is_driver_error(error):
@@ -458,6 +463,10 @@ class World:
         except DOCUMENTED as error:
             model.dirty = model.dirty or _is_driver_error(error)
             raise
+        except KeyboardInterrupt:
+            model.dirty = True
+            _finishes(model.obj.free, "free()")
+            raise
         finally:
             # free() is "I am done" even when a release fails: a second call finishes it.
             # The model keeps the bytes: exports taken before read them still.
@@ -473,6 +482,223 @@ class World:
         with self._deferred(fault) as reported:  # an unfreed tensor releases itself
             model.obj = None
         return f"dropped, {len(reported)} deferred"
+
+    # -- interrupts at random instants (a timer signal) ---------------------------------------
+    def et_timer(self, slot, action, delay_us, fraction, zero_new, then_free):
+        """``action`` on the tensor with the timer signal due after ``delay_us``: completed, or
+        interrupted anywhere, the tensor reads as the action's before or after (sizes all or
+        nothing, committed bytes kept), the driver's books hold, and the tensor stays
+        usable (the machine goes on with it) or, with ``then_free``, frees at once."""
+        model = self._et(slot)
+        if model is None or model.freed:
+            return "no live tensor"
+        obj = model.obj
+        old = [d.size for d in model.data]
+        new = [o + int((c - o) * fraction) for o, c in zip(old, model.capacities)]
+        if action == "grow":
+            call = lambda: obj.resize_segments_(new, zero_new=zero_new)  # noqa: E731
+        elif action == "copy":
+            view = obj.segment_view(0)
+            call = lambda: np.from_dlpack(view, copy=True, device="cpu")  # noqa: E731
+        elif action == "export":
+            call = obj.segment_view(0).to_numpy if self.device == "cpu" else obj.full_view
+        else:
+            call = getattr(obj, action)
+        with contextlib.suppress(KeyboardInterrupt):
+            _TIMER.run(delay_us, call)
+        fired = _TIMER.fired
+        sizes = list(obj.committed_sizes)
+        if action == "free":
+            model.freed = True
+            if fired:
+                model.dirty = True
+                _finishes(obj.free, "free()")
+        elif action == "grow" and sizes == new:
+            model.grow(new, zero_new)
+        elif action == "release_physical" and (fired and not any(sizes) or not fired):
+            self._after_release_physical(model, failed=fired)
+        elif sizes != old:
+            raise Violation(f"{action} interrupted at {delay_us} us left sizes {sizes} (was {old})")
+        model.dirty = model.dirty or fired
+        if then_free and not model.freed:
+            model.freed = True
+            _finishes(obj.free, "free()")
+        return f"{action} {'interrupted' if fired else 'completed'}"
+
+    def pool_timer(self, slot, action, delay_us, rows, seed):
+        """A pool's copy or close with the timer signal due: a close finishes on the next
+        call; a copy is done or not (the model drops the oldest result it checks)."""
+        state = self.pools.get(slot)
+        if state is None or state["closed"]:
+            return "no open pool"
+        pool = state["obj"]
+        if action == "close":
+            try:
+                _TIMER.run(delay_us, pool.close)
+            except KeyboardInterrupt:
+                _finishes(pool.close, "UvaBufferPool.close()")
+            state["closed"] = True
+            return f"closed{', interrupted' if _TIMER.fired else ''}"
+        x = np.random.default_rng(seed).integers(-100, 100, size=(rows, state["cols"]))
+        x = x.astype(state["dtype"])
+        with contextlib.suppress(KeyboardInterrupt):
+            _TIMER.run(delay_us, pool.copy_to_uva, x)
+        state["calls"] += 1  # copied or not: its result is not checked
+        return f"copy {'interrupted' if _TIMER.fired else 'completed'}"
+
+    def swt_timer(self, slot, action, delay_us):
+        state = self.swts.get(slot)
+        if state is None or state["freed"]:
+            return "no live tensor"
+        obj = state["obj"]
+        with contextlib.suppress(KeyboardInterrupt):
+            _TIMER.run(delay_us, obj.free if action == "free" else obj.apply_write)
+        if action == "free":
+            state["freed"], state["staged"] = True, []
+            if _TIMER.fired:
+                _finishes(obj.free, "StagedWriteTensor.free()")
+        elif _TIMER.fired:
+            self._resync_swt(state)
+        else:
+            for row, start, values in state["staged"]:
+                state["target"][row, start : start + values.size] = values
+            state["staged"] = []
+        return f"{action} {'interrupted' if _TIMER.fired else 'completed'}"
+
+    def uva_timer(self, action, delay_us, rows):
+        """A UvaBuffer made, exported and freed with the timer signal due in one of the
+        three: an interrupted constructor leaves nothing (checked at the end of the
+        example), an interrupted free() finishes on the next call."""
+        jaxbuf = self.jaxbuf
+        make = functools.partial(jaxbuf.UvaBuffer, (rows, 64), "int32", self.device)
+        make = functools.partial(make, driver=self.driver)
+        if action == "create":
+            try:
+                buf = _TIMER.run(delay_us, make)
+            except KeyboardInterrupt:
+                return "create interrupted"
+        else:
+            buf = make()
+        buf.np[...] = np.arange(buf.np.size, dtype=np.int32).reshape(buf.np.shape)
+        held = buf.view.to_numpy() if self.device == "cpu" else buf.view.to_torch()
+        try:
+            if action == "export":
+                _TIMER.run(delay_us, lambda: np.from_dlpack(buf.view, copy=True, device="cpu"))
+            elif action == "free":
+                _TIMER.run(delay_us, buf.free)
+        except KeyboardInterrupt:
+            pass
+        _finishes(buf.free, "UvaBuffer.free()")
+        expected = np.arange(buf.shape[0] * 64, dtype=np.int32)
+        actual = held if self.device == "cpu" else held.cpu().numpy()
+        if not np.array_equal(np.asarray(actual).reshape(-1), expected):
+            raise Violation("an export of a UvaBuffer lost its bytes after an interrupt")
+        return f"{action} {'interrupted' if _TIMER.fired else 'completed'}"
+
+    # -- a second thread exporting while this one frees or closes ------------------------------
+    def close_racing(self, owner, how, size_kib):
+        """A UvaBuffer's free(), an ImportedBuffer's close() or an ExtensibleTensor's
+        free() on this thread while another exports its view in a loop, zero-copy or as
+        copies: the exporter ends in ClosedError (a RuntimeError) or success, never a
+        signal, and every array it made reads the owner's bytes."""
+        from jaxbuf.sharing import ImportedBuffer, export_layout
+
+        if self.device != "cpu" and how == "numpy":
+            return "numpy imports host memory only"
+        jaxbuf, size = self.jaxbuf, size_kib * 1024
+        pattern = (np.arange(size, dtype=np.int64) % 251).astype(np.uint8)
+        source = None
+        if owner == "uva":
+            obj = jaxbuf.UvaBuffer(size, "uint8", self.device, driver=self.driver)
+            obj.np[...] = pattern
+            view, close = obj.view, obj.free
+        else:
+            source = jaxbuf.ExtensibleTensor(size, device=self.device, driver=self.driver)
+            source.resize_per_segment_(size)
+            self._write_view(source.segment_view(0), 0, pattern)
+            view, close = source.segment_view(0), source.free
+            if owner == "import":
+                if self.device != "cpu":
+                    return "imports are CPU only here"
+                layout, fds = export_layout(source)
+                obj = ImportedBuffer(layout, list(fds))
+                view, close = obj.segment_view(0), obj.close
+        arrays, errors = self._race(view, how, close)
+        if source is not None:
+            source.free()
+        if errors and not isinstance(errors[0], RuntimeError):
+            raise Violation(f"an export racing {owner}'s close raised {errors[0]!r}")
+        for array in arrays:
+            actual = self._export_bytes(Export(None, _kind(how), array, 0, 0, None, True))
+            if not np.array_equal(actual, pattern):
+                raise Violation(f"an array exported ({how}) while {owner} closed lost its bytes")
+        return f"{len(arrays)} exported, {'refused' if errors else 'not refused'}"
+
+    def _race(self, view, how, close):
+        """Export ``view`` (``how``) in a loop on a second thread while ``close()`` runs
+        here: the arrays made and the exporter's error, if any."""
+        arrays, errors = [], []
+        export = {
+            "numpy": view.to_numpy,
+            "torch": lambda: view.to_torch(),
+            "jax": lambda: view.to_jax(),
+            "np_copy": lambda: np.from_dlpack(view, copy=True, device="cpu"),
+            "dlpack_copy": lambda: _torch_copy(view),
+        }[how]
+
+        started = threading.Event()
+
+        def exporter():
+            started.set()
+            try:
+                for _ in range(50):
+                    arrays.append(export())
+            except BaseException as error:  # noqa: BLE001 - judged by the caller
+                errors.append(error)
+
+        thread = threading.Thread(target=exporter)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # the race window is a few bytecodes
+        try:
+            thread.start()
+            started.wait()  # the close lands among the exports, not before the first
+            close()
+        finally:
+            thread.join()
+            sys.setswitchinterval(interval)
+        return arrays, errors
+
+    # -- mapping listeners that call back into their buffer ------------------------------------
+    def et_listener(self, slot, call, trigger, fraction):
+        """A listener that, every time it is told, calls ``call`` on its own buffer: each
+        call is refused by name (RuntimeError, "from its mapping listener") with nothing
+        changed, and the change it was told of (``trigger``) completes as without it."""
+        model = self._et(slot)
+        if model is None or model.freed:
+            return "no live tensor"
+        obj = model.obj
+        listener = _Reentrant(obj, call, model.capacities)
+        try:
+            obj.add_mapping_listener(listener)
+            if trigger == "grow":
+                old = [d.size for d in model.data]
+                new = [o + int((c - o) * fraction) for o, c in zip(old, model.capacities)]
+                obj.resize_segments_(new)
+                model.grow(new, False)
+            elif trigger == "release_physical":
+                obj.release_physical()
+                self._after_release_physical(model, failed=False)
+            elif trigger == "defragment":
+                obj.defragment()
+        except DOCUMENTED as error:
+            if trigger == "defragment" and isinstance(error, ValueError):
+                raise  # two segments share a granule: refused before anything changes
+            raise Violation(f"{trigger} with a re-entrant listener raised {error!r}") from None
+        finally:
+            obj.remove_mapping_listener(listener)
+        if listener.errors:
+            raise Violation(f"a listener's {call} was not refused by name: {listener.errors}")
+        return f"{listener.refused} call(s) refused"
 
     # -- exports -----------------------------------------------------------------------------
     def drop_export(self, index, fault=None):
@@ -508,8 +734,11 @@ class World:
                     raise Violation(f"a drop raised {error!r}") from None
         finally:
             sys.unraisablehook = hook
-        if unraisable:
-            raise Violation(f"a finalizer raised {unraisable[0].exc_value!r} (ignored)")
+        for report in unraisable:
+            # An interrupt in a finalizer goes where Python sends any exception raised there
+            # (its release queued for a retry, reported below); nothing else may.
+            if not (_TIMER.step_interruptible and isinstance(report.exc_value, KeyboardInterrupt)):
+                raise Violation(f"a finalizer raised {report.exc_value!r} (ignored)")
         reports += [
             str(w.message)
             for w in caught
@@ -587,8 +816,14 @@ class World:
         rng = np.random.default_rng(seed)
         x = rng.integers(-100, 100, size=(rows, state["cols"])).astype(state["dtype"])
         source = x if as_kind == "numpy" else x.tolist()
-        with self._fault(fault):
-            result = state["obj"].copy_to_uva(source)
+        try:
+            with self._fault(fault):
+                result = state["obj"].copy_to_uva(source)
+        except KeyboardInterrupt:
+            # Whether the copy took its slot is unknown: the oldest result still checked
+            # may have been overwritten, so the model stops checking it.
+            state["calls"] += 1
+            raise
         if state["closed"]:
             raise Violation("copy_to_uva on a closed pool did not raise")
         if state["framework"] == "view":
@@ -606,6 +841,9 @@ class World:
         try:
             with self._fault(fault):
                 state["obj"].close()
+        except KeyboardInterrupt:
+            _finishes(state["obj"].close, "UvaBufferPool.close()")
+            raise
         finally:
             state["closed"] = True
         return "closed"
@@ -702,7 +940,7 @@ class World:
         try:
             with self._fault(fault):
                 view = obj.uva(n)
-        except DOCUMENTED as error:
+        except FAILURES as error:
             if _is_driver_error(error):
                 state["device"] = None  # what was copied is unknown: the model forgets it
                 raise
@@ -844,8 +1082,12 @@ class World:
         state = self.swts.get(slot)
         if state is None:
             return "no tensor"
-        with self._fault(fault):
-            state["obj"].apply_write()
+        try:
+            with self._fault(fault):
+                state["obj"].apply_write()
+        except KeyboardInterrupt:
+            self._resync_swt(state)
+            raise
         if state["freed"]:
             raise Violation("apply_write on a freed tensor did not raise")
         for row, start, values in state["staged"]:
@@ -868,10 +1110,33 @@ class World:
         try:
             with self._fault(fault):
                 state["obj"].free()
+        except KeyboardInterrupt:
+            _finishes(state["obj"].free, "StagedWriteTensor.free()")
+            raise
         finally:
             state["freed"] = True
             state["staged"] = []
         return "freed"
+
+    def _resync_swt(self, state) -> None:
+        """After an interrupted apply the writes are applied or still staged, or (an apply
+        cut short part way) partly applied: the model reads the target back, and keeps the
+        staged writes only while the tensor does."""
+        if state["freed"]:
+            return
+        obj = state["obj"]
+        if obj.num_staged_writes == 0:
+            state["staged"] = []
+        elif obj.num_staged_writes != len(state["staged"]):
+            raise Violation(
+                f"an interrupted apply left {obj.num_staged_writes} staged writes of "
+                f"{len(state['staged'])}"
+            )
+        if self.device == "cpu":
+            actual = np.array(obj.to_numpy())
+        else:
+            actual = np.from_dlpack(obj.gpu, device="cpu", copy=True)
+        state["target"] = actual.reshape(state["target"].shape)
 
     def swt_drop(self, slot, fault=None):
         return self._drop(self.swts, slot, fault)
@@ -978,7 +1243,7 @@ class World:
                     result = self.ring.apply(table, packed)
                 else:
                     result = apply_staged_writes(table, packed)
-            except DOCUMENTED as error:
+            except FAILURES as error:
                 if packed is not None and not bad_table and not _is_driver_error(error):
                     raise Violation(
                         f"apply of a pack onto its own table raised {error!r}"
@@ -1273,6 +1538,8 @@ class _Armed:
     def __enter__(self):
         if self.fault is not None:
             kind, nth, *interrupt = self.fault
+            if interrupt:
+                _TIMER.step_interruptible = True
             self.driver.fail_on(kind, nth, KeyboardInterrupt() if interrupt else None)
 
     def __exit__(self, *exc_info):
@@ -1280,9 +1547,19 @@ class _Armed:
 
 
 def _is_driver_error(error: BaseException) -> bool:
+    """A DriverError, or an interrupt: the failure of the one driver call it landed in."""
     from jaxbuf.drivers import DriverError
 
-    return isinstance(error, DriverError)
+    return isinstance(error, (DriverError, KeyboardInterrupt))
+
+
+def _finishes(close, what: str) -> None:
+    """After an interrupt the object closes cleanly on the next call: ``close()`` (no fault
+    armed) must succeed."""
+    try:
+        close()
+    except BaseException as error:  # noqa: BLE001 - reported as the violation
+        raise Violation(f"after an interrupt, {what} again raised {error!r}") from None
 
 
 def _names_argument(error: BaseException, tokens) -> None:
@@ -1292,6 +1569,150 @@ def _names_argument(error: BaseException, tokens) -> None:
         return
     if not any(token in message for token in tokens):
         raise Violation(f"{type(error).__name__}({message!r}) names none of {tokens}")
+
+
+class _Reentrant:
+    """A mapping listener that calls ``call`` on its own buffer each time it is told."""
+
+    CALLS = {
+        "release_physical": lambda buf, _: buf.release_physical(),
+        "grow": lambda buf, capacities: buf.resize_segments_(capacities),
+        "defragment": lambda buf, _: buf.defragment(),
+        "free": lambda buf, _: buf.free(),
+        "attach": lambda buf, c: buf.add_mapping_listener(_Reentrant(buf, "free", c)),
+    }
+
+    def __init__(self, buf, call, capacities) -> None:
+        self.buf, self.call, self.capacities = buf, call, capacities
+        self.refused = 0
+        self.errors: list[BaseException] = []
+
+    def _told(self) -> None:
+        before = (list(self.buf.committed_sizes), self.buf.mapped_chunks())
+        try:
+            self.CALLS[self.call](self.buf, self.capacities)
+        except RuntimeError as error:
+            if "from its mapping listener" in str(error):
+                self.refused += 1
+                return
+            self.errors.append(error)
+        except ValueError as error:
+            if self.call != "defragment":  # segments sharing a granule: refused first
+                self.errors.append(error)
+        except BaseException as error:  # noqa: BLE001 - reported by et_listener
+            self.errors.append(error)
+        else:
+            # A call with nothing to do (a grow to the sizes it has, a defragment of one chunk
+            # per segment) changes nothing: it may go through.
+            if self.call == "attach" or before != (
+                list(self.buf.committed_sizes),
+                self.buf.mapped_chunks(),
+            ):
+                self.errors.append(f"{self.call} went through")
+
+    def mapped(self, chunks) -> None:
+        self._told()
+
+    def unmapping(self, chunks) -> None:
+        self._told()
+
+
+def _kind(how: str) -> str:
+    """The Export kind of arrays exported ``how`` (see World._race)."""
+    return {"np_copy": "copy", "dlpack_copy": "torch"}.get(how, how)
+
+
+def _torch_copy(view):
+    """A copy through the DLPack protocol itself: ``__dlpack__(copy=True)``, imported."""
+    import torch
+
+    return torch.from_dlpack(view.__dlpack__(copy=True))
+
+
+class _Timer:
+    """A ``SIGALRM`` handler that raises ``KeyboardInterrupt`` once, at a random instant of
+    the one library call :meth:`run` times (what a Ctrl-C, or any signal handler that
+    raises, does).
+
+    Where it lands: anywhere in the library's Python code up to its first driver call, then
+    at the entry of a later driver call (before the call has any effect, as an injected
+    fault does). A signal that arrives during a driver call or after one returned waits for
+    the next call's entry. CPython cannot do better for any code: an exception from a signal
+    handler that lands between a call's return and the caller's record of it (a release
+    done, not yet forgotten) is indistinguishable from one the call raised, and no Python
+    code can make the two atomic (see the signal module's note on handlers that raise);
+    that window is left out, so the verdict does not depend on timing. The handler raises
+    only while the timed call runs: the model's own code is never interrupted.
+    """
+
+    def __init__(self) -> None:
+        self.live = False  # the timed call is running
+        self.books = 0  # the main thread is inside a driver call
+        self.called = False  # a driver call of the timed call has returned
+        self.pending = False  # a signal arrived since: raised at the next call's entry
+        self.fired = False
+        self.step_interruptible = False  # this step armed an interrupt (timer or fault)
+        signal.signal(signal.SIGALRM, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        if not self.live:
+            return
+        if self.books or self.called:
+            self.pending = True
+            return
+        self.fire()
+
+    def fire(self) -> None:
+        self.live = self.pending = False
+        self.fired = True
+        raise KeyboardInterrupt("the timer signal")
+
+    def run(self, delay_us: int, call, *args):
+        """``call(*args)`` with the signal due ``delay_us`` microseconds from now; what it
+        returns, or the KeyboardInterrupt (``fired`` tells) or error it raised."""
+        self.fired = self.pending = self.called = False
+        self.step_interruptible = True
+        self.live = True
+        try:
+            signal.setitimer(signal.ITIMER_REAL, delay_us / 1e6)
+            return call(*args)
+        finally:
+            self.live = self.pending = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+_TIMER = _Timer()
+_MAIN_THREAD = threading.get_ident()
+
+
+@functools.cache
+def _interruptible_driver():
+    """The fault-injecting driver whose calls the timer interrupts at their entry only (see
+    :class:`_Timer`); its books always match the memory."""
+    from jaxbuf.testing import FAULT_KINDS, FaultInjectingDriver
+
+    def deferring(method):
+        def call(self, *args, **kwargs):
+            timer = _TIMER
+            if threading.get_ident() != _MAIN_THREAD or not timer.live:
+                return method(self, *args, **kwargs)
+            if timer.pending and not timer.books:
+                timer.fire()  # before the call: it has no effect
+            timer.books += 1
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                timer.books -= 1
+                timer.called = True
+
+        return call
+
+    methods = {
+        kind: deferring(getattr(FaultInjectingDriver, kind))
+        for kind in FAULT_KINDS
+        if kind in FaultInjectingDriver.__dict__
+    }
+    return type("InterruptibleDriver", (FaultInjectingDriver,), methods)
 
 
 # -- the protocol ---------------------------------------------------------------------------
@@ -1316,12 +1737,17 @@ def handle(op: str, kwargs: dict):
         if op == "reset":
             old, _world = _world, World(device=_world.device, framework=_world.framework)
             return ("ok", old.teardown())
+        _TIMER.step_interruptible = False
         try:
             reply = ("ok", getattr(_world, op)(**kwargs))
         except DOCUMENTED as error:
             reply = ("raised", type(error).__name__, str(error))
             if not str(error):
                 reply = ("violation", f"{type(error).__name__} with an empty message")
+        except KeyboardInterrupt as error:
+            if not _TIMER.step_interruptible:
+                raise
+            reply = ("raised", "KeyboardInterrupt", str(error) or "an injected interrupt")
         _world.check()
         return reply
     except Violation as violation:

@@ -206,7 +206,7 @@ def _staged(driver, uva):
 
 def _writer(driver):
     swt = jaxbuf.StagedWriteTensor((4, 8), "int32", "cpu", backend="numpy", driver=driver)
-    writer = jaxbuf.FusedStagedWriter(16, "cpu", 2, backend="numpy", driver=driver)
+    writer = jaxbuf.FusedStagedWriter("cpu", 16, 2, backend="numpy", driver=driver)
     swt.stage_write(0, 0, [7])
     writer.apply((swt,))
     swt.free()
@@ -250,3 +250,103 @@ def test_an_interrupt_at_any_call_of_free_releases_everything_once(name):
         driver.assert_clean()  # before the owner is collected: free() itself released it all
         assert not driver.live_events, f"interrupt at call {nth}: events leaked"
         assert driver.faults_injected == 1
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+@pytest.mark.parametrize("cls", ["UvaBuffer", "NonUvaBuffer"])
+def test_an_interrupted_free_never_releases_under_a_live_export(monkeypatch, cls, where):
+    """Found by the state machine's timer signal (SIGSEGV reading an export): a Ctrl-C in
+    UvaBuffer.free() before its lifetime closed, or after it closed with exports alive, was
+    taken for a failed release and the buffer reopened over a new lifetime, so the next
+    free() released the memory under the exports. NonUvaBuffer.free() interrupted after the
+    close, before it forgot the allocation, did the same on the next call. The exports keep
+    the memory until the last one goes, whatever the interrupt cut short."""
+    from jaxbuf import _owner
+
+    driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+    buf = getattr(jaxbuf, cls)((4, 1024), "int32", "cpu", driver=driver)
+    buf.np[...] = 7
+    if cls == "NonUvaBuffer":
+        buf.uva()
+    held = buf.view.to_numpy()
+    close, interrupts = _owner.Lifetime.close, [KeyboardInterrupt()]
+
+    def interrupted_once(self, release_now):
+        if where == "after" and interrupts:
+            close(self, release_now)
+        if interrupts:
+            raise interrupts.pop()
+        return close(self, release_now)
+
+    monkeypatch.setattr(_owner.Lifetime, "close", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        buf.free()
+    buf.free()  # released the memory under `held` before the fix
+    assert not buf.released and (held == 7).all()
+    del held
+    assert buf.released
+    driver.disarm()
+    driver.assert_clean()
+
+
+def test_an_interrupt_in_a_finalizers_release_queues_it(monkeypatch):
+    """Found by the state machine (a KeyboardInterrupt at host_free while a dropped buffer
+    was collected): the finalizer caught Exception only, so the interrupt went to "Exception
+    ignored" and the release was lost, the pinned block with it. It is queued like any failed
+    release now (retried at the driver's next use), and the interrupt still goes where
+    Python sends an exception raised in a finalizer."""
+    import gc
+    import sys
+
+    driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+    buf = jaxbuf.UvaBuffer((4, 1024), "int32", "cpu", driver=driver)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    driver.fail_on("host_free", 1, KeyboardInterrupt())
+    with pytest.warns(ResourceWarning, match="retried"):
+        del buf
+        gc.collect()
+    assert [type(report.exc_value) for report in unraisable] == [KeyboardInterrupt]
+    assert driver.pinned  # not freed yet, but queued:
+    assert _lifetime.deferred_releases(driver)
+    _lifetime.retry_deferred(driver)
+    driver.assert_clean()
+
+
+@pytest.mark.parametrize("owner", ["ExtensibleTensor", "ImportedBuffer"])
+def test_a_copy_export_racing_free_refuses_rather_than_copy_zeros(monkeypatch, owner):
+    """Found by the state machine's copy-export race: a copy (np.from_dlpack(copy=True))
+    on another thread, landing inside free() (or an import's close()) after it had emptied
+    the committed sizes but before it closed, read no committed range and returned zeros for
+    the bytes, with no error. The interleaving is forced here: the copy runs as the free
+    closes. The owner closes first now, and the copy refuses (ClosedError) or copies the
+    true bytes."""
+    import numpy as np
+
+    from jaxbuf import ClosedError, _owner
+    from jaxbuf.sharing import ImportedBuffer, export_layout
+
+    tensor = jaxbuf.ExtensibleTensor(4 * MiB, "cpu")
+    tensor.resize_per_segment_(MiB)
+    tensor.segment_view(0).to_numpy()[:] = 9
+    close, source = tensor.free, tensor
+    if owner == "ImportedBuffer":
+        layout, fds = export_layout(tensor)
+        imported = ImportedBuffer(layout, list(fds))
+        close, source = imported.close, imported
+    view = source.segment_view(0)
+    lifetime_close, copies = _owner.Lifetime.close, []
+
+    def copy_in_between(self, release_now):
+        if not copies:  # "another thread", as this free closes
+            try:
+                copies.append(np.from_dlpack(view, copy=True))
+            except ClosedError as error:
+                copies.append(error)
+        return lifetime_close(self, release_now)
+
+    monkeypatch.setattr(_owner.Lifetime, "close", copy_in_between)
+    close()
+    monkeypatch.undo()
+    assert copies and (isinstance(copies[0], ClosedError) or (copies[0] == 9).all())
+    tensor.free()

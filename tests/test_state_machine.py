@@ -19,6 +19,20 @@ Invariants checked after every step (by the worker, tests/_stateful_worker.py):
 * a KeyboardInterrupt at an unmap, release or free_reserved of ``release_physical`` or of
   ``defragment``'s cleanup leaves the tensor as a failed release or a completed defragment
   would, and the driver's invariants hold (the interrupt is the failure of that one step);
+* a KeyboardInterrupt at any driver call of any step is the failure of that one call: the
+  model treats it as a DriverError there, and an interrupted free() or close() finishes on
+  the next call (which must succeed);
+* the timer signal (``SIGALRM``, its handler raising KeyboardInterrupt) interrupts a grow,
+  release, defragment, free, copy or export of a tensor, a pool's copy or close, a staged
+  apply or free, a UvaBuffer's construction, export or free at a random instant: the sizes
+  are the op's before or after, committed bytes are kept, exports keep their memory, the
+  object stays usable or closes on the next call (see ``_Timer`` in the worker for where
+  the signal may land, and the one window CPython leaves to no code);
+* a UvaBuffer's free(), an ImportedBuffer's close() or a tensor's free() racing a second
+  thread's exports (zero-copy, ``np.from_dlpack(copy=True)``, ``__dlpack__(copy=True)``)
+  ends in ClosedError or arrays that read the owner's bytes, never a signal;
+* a mapping listener calling back into its buffer (release, grow, defragment, free, attach)
+  is refused by name, and the change it was told of completes as without it;
 * under an address-space limit the CPU driver's quarantine never makes a reservation fail
   (ENOMEM) and holds at most a quarter of the limit;
 * the fault-injecting driver's VMM rules hold, and once every reference of an example is
@@ -78,6 +92,12 @@ faults = (
     | st.tuples(st.sampled_from(STATEFUL_KINDS), st.integers(1, 3))
     | st.tuples(st.sampled_from(OTHER_KINDS), st.integers(1, 2))
 )
+# A Ctrl-C (KeyboardInterrupt, or any exception a signal handler raises) at any driver call of
+# a step: the failure of that one call, as a DriverError there would be, except that code
+# catching Exception does not catch it.
+faults |= st.tuples(st.sampled_from(FAULT_KINDS), st.integers(1, 3), st.just("interrupt"))
+# The timer signal's delay: within a step's driver calls and Python, or past its end.
+delays_us = st.integers(1, 400) | st.integers(400, 5000)
 # A Ctrl-C (KeyboardInterrupt) at a call of a release: release_physical's unmaps and releases,
 # and defragment's cleanup after its swap (its only unmaps, releases and free_reserved calls).
 interrupts = st.tuples(
@@ -239,6 +259,55 @@ def make_machine(worker: Worker, framework: str):
         def collect(self, fault):
             self.step("collect", fault=fault)
 
+        # -- interrupts at random instants, threads, re-entrant listeners --------------------
+        @rule(
+            slot=tensors,
+            action=st.sampled_from(
+                ["grow", "release_physical", "defragment", "free", "copy", "export"]
+            ),
+            delay_us=delays_us,
+            fraction=st.sampled_from([0.0, 0.25, 1.0]),
+            zero_new=st.booleans(),
+            then_free=st.booleans(),
+        )
+        def et_timer(self, slot, action, delay_us, fraction, zero_new, then_free):
+            self.step(
+                "et_timer",
+                slot=slot,
+                action=action,
+                delay_us=delay_us,
+                fraction=fraction,
+                zero_new=zero_new,
+                then_free=then_free,
+            )
+
+        @rule(
+            owner=st.sampled_from(["uva", "import", "et"]),
+            how=st.sampled_from(
+                ["numpy", framework, "np_copy"] + (["dlpack_copy"] if framework == "torch" else [])
+            ),
+            size_kib=st.sampled_from([4, 1024, 8192]),
+        )
+        def close_racing(self, owner, how, size_kib):
+            self.step("close_racing", owner=owner, how=how, size_kib=size_kib)
+
+        @rule(
+            slot=tensors,
+            call=st.sampled_from(["release_physical", "grow", "defragment", "free", "attach"]),
+            trigger=st.sampled_from(["attach", "grow", "release_physical", "defragment"]),
+            fraction=st.sampled_from([0.25, 1.0]),
+        )
+        def et_listener(self, slot, call, trigger, fraction):
+            self.step("et_listener", slot=slot, call=call, trigger=trigger, fraction=fraction)
+
+        @rule(
+            action=st.sampled_from(["create", "export", "free"]),
+            delay_us=delays_us,
+            rows=st.integers(1, 64),
+        )
+        def uva_timer(self, action, delay_us, rows):
+            self.step("uva_timer", action=action, delay_us=delay_us, rows=rows)
+
         # -- the CPU driver's quarantine under an address-space limit ------------------------
         @rule(
             size_mib=st.sampled_from([64, 1024, 3072]),
@@ -314,6 +383,18 @@ def make_machine(worker: Worker, framework: str):
         @rule(slot=pools, fault=faults)
         def pool_close(self, slot, fault):
             self.step("pool_close", slot=slot, fault=fault)
+
+        @rule(
+            slot=pools,
+            action=st.sampled_from(["copy", "close"]),
+            delay_us=delays_us,
+            rows=st.integers(1, 9),
+            seed=st.integers(0, 2**16),
+        )
+        def pool_timer(self, slot, action, delay_us, rows, seed):
+            self.step(
+                "pool_timer", slot=slot, action=action, delay_us=delay_us, rows=rows, seed=seed
+            )
 
         @rule(slot=consumes(pools), fault=release_faults)
         def pool_drop(self, slot, fault):
@@ -392,6 +473,10 @@ def make_machine(worker: Worker, framework: str):
         @rule(slot=swts, fault=faults)
         def swt_free(self, slot, fault):
             self.step("swt_free", slot=slot, fault=fault)
+
+        @rule(slot=swts, action=st.sampled_from(["apply", "free"]), delay_us=delays_us)
+        def swt_timer(self, slot, action, delay_us):
+            self.step("swt_timer", slot=slot, action=action, delay_us=delay_us)
 
         @rule(slot=consumes(swts), fault=release_faults)
         def swt_drop(self, slot, fault):

@@ -481,19 +481,23 @@ class ImportedBuffer(SegmentedReservation):
         call twice. Best effort: the first error is raised with the others as notes; what
         failed stays tracked, so a second call retries it.
         """
-        self.base_ptr = 0
-        self._committed = [0] * len(self._committed)
-        if not self._lifetime.closed:
-            # Either released now, or live exports hold the mappings and the last one
-            # releases them: the handle lets go of them in both cases. A failing release
-            # raises past this line and leaves them here for a retry.
-            self._lifetime.close(self._release_now)
-            self._mappings = None
-            return
-        mappings = self._mappings
-        if mappings is not None:  # closed, but the release failed: retry it
-            self._release_now(mappings)
-            self._mappings = None
+        try:
+            if not self._lifetime.closed:
+                # Either released now, or live exports hold the mappings and the last one
+                # releases them: the handle lets go of them in both cases. A failing release
+                # raises past this line and leaves them here for a retry.
+                self._lifetime.close(self._release_now)
+                self._mappings = None
+                return
+            mappings = self._mappings
+            if mappings is not None:  # closed, but the release failed: retry it
+                self._release_now(mappings)
+                self._mappings = None
+        finally:
+            # After the close, never before: a copy export on another thread that read the
+            # sizes before the close then sees it (and refuses), instead of copying zeros.
+            self.base_ptr = 0
+            self._committed = [0] * len(self._committed)
 
     def _release_now(self, mappings: _Mappings) -> None:
         # Frameworks may still run work on this memory (JAX's asynchronous dispatch, a

@@ -347,10 +347,19 @@ class UvaBuffer(_BufferBase):
             # checking for exports first, then closing, let one slip in between.
             lifetime.close(lambda memory: _release_now(memory, device, quiesce))
         except BaseException:
-            # The release failed, with no export alive: the buffer stays usable, over a new
-            # lifetime of the same memory.
-            self._lifetime = self._owner._lifetime = Lifetime(allocation)
-            self.np = self._host_view.to_numpy()
+            if lifetime.anchor is not None:
+                # Interrupted before it closed: still open, its exports holding this lifetime.
+                self.np = self._host_view.to_numpy()
+            elif lifetime.live_exports or lifetime.released:
+                # Closed, the memory left to the exports or released (the interrupt landed
+                # after): done. A new lifetime here would let the next free() release the
+                # memory under those exports.
+                self._allocation = None
+            else:
+                # The release failed (or was cut short) with no export alive: the buffer
+                # stays usable, over a new lifetime of the same memory.
+                self._lifetime = self._owner._lifetime = Lifetime(allocation)
+                self.np = self._host_view.to_numpy()
             raise
         self._allocation = None
 
@@ -470,10 +479,13 @@ class NonUvaBuffer(_BufferBase):
                 self._allocation = None  # exported: the last export releases it
         self._set_ready_event(None)
         allocation = self._allocation
-        if allocation is not None:
+        # Exports alive: the last one releases the memory. Asked of the lifetime, not of
+        # ``_allocation`` alone: an interrupt after close() returned, before the line that
+        # forgot the allocation, must not make this call release it under them.
+        if allocation is not None and not lifetime.live_exports:
             # ExtensibleTensor.free() waits for the frameworks itself, whatever ``quiesce``.
             _release_now(allocation, self.device, quiesce=False)
-            self._allocation = None
+        self._allocation = None
 
 
 def async_copy_to_device(
