@@ -14,6 +14,7 @@ from bisect import bisect_left
 from typing import Any
 
 from jaxbuf._errors import attempt, raise_first
+from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf.drivers.base import VmmDriver
 
 __all__ = ["Defragmenting", "defragment_segments"]
@@ -273,29 +274,31 @@ class Defragmenting:
         then free it. What fails, or is interrupted (Ctrl-C), is kept in
         :attr:`_stray_reservations` and the rest still done; returns the errors (the caller
         raises an interrupt first)."""
-        errors: list[BaseException] = []
-        left: list[tuple[int, int, Any]] = []
-        for chunk_ptr, chunk_size, handle in mapped:
+        # Each release and its record as one step: an interrupt held back until both ran.
+        with deferred_interrupts():
+            errors: list[BaseException] = []
+            left: list[tuple[int, int, Any]] = []
+            for chunk_ptr, chunk_size, handle in mapped:
+                try:
+                    self._driver.unmap(chunk_ptr, chunk_size)
+                except BaseException as error:  # noqa: BLE001 - returned to the caller, interrupts too
+                    errors.append(error)
+                    left.append((chunk_ptr, chunk_size, handle))
+                    continue
+                try:
+                    self._driver.release(handle)
+                except BaseException as error:  # noqa: BLE001 - returned to the caller, interrupts too
+                    errors.append(error)
+                    self._unreleased.append(handle)
+            if left:
+                self._stray_reservations.append((ptr, size, left))
+                return errors
             try:
-                self._driver.unmap(chunk_ptr, chunk_size)
+                self._driver.free_reserved(ptr, size)
             except BaseException as error:  # noqa: BLE001 - returned to the caller, interrupts too
                 errors.append(error)
-                left.append((chunk_ptr, chunk_size, handle))
-                continue
-            try:
-                self._driver.release(handle)
-            except BaseException as error:  # noqa: BLE001 - returned to the caller, interrupts too
-                errors.append(error)
-                self._unreleased.append(handle)
-        if left:
-            self._stray_reservations.append((ptr, size, left))
+                self._stray_reservations.append((ptr, size, []))
             return errors
-        try:
-            self._driver.free_reserved(ptr, size)
-        except BaseException as error:  # noqa: BLE001 - returned to the caller, interrupts too
-            errors.append(error)
-            self._stray_reservations.append((ptr, size, []))
-        return errors
 
     def _retry_stray_reservations(self) -> list[BaseException]:
         stray, self._stray_reservations = self._stray_reservations, []

@@ -23,6 +23,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from jaxbuf._interrupts import deferred_interrupts
+
 __all__ = ["deferred_releases", "release_when_collected", "retry_deferred"]
 
 # (driver, release, what) of the releases that failed in a finalizer, oldest first.
@@ -79,21 +81,25 @@ def retry_deferred(driver: Any = None) -> None:
         mine = [entry for entry in _deferred if driver is None or entry[0] is driver]
         for entry in mine:
             _deferred.remove(entry)
-    failed = []
-    for i, entry in enumerate(mine):
-        try:
-            entry[1]()
-        except Exception:  # noqa: BLE001 - reported when queued; kept for the next retry
-            failed.append(entry)
-        except BaseException:
-            # An interrupt (Ctrl-C, an exception from a signal handler): the release it cut
-            # short and those not reached stay queued (each release retries what is left).
+    failed: list[Any] = []
+    done = 0
+    try:
+        for entry in mine:
+            # Released and counted as one step: an interrupt landing after a release returned
+            # would queue it again, and the next retry would release it twice.
+            with deferred_interrupts():
+                try:
+                    entry[1]()
+                except Exception:  # noqa: BLE001 - reported when queued; kept for the next retry
+                    failed.append(entry)
+                done += 1
+    finally:
+        # An interrupt (Ctrl-C, an exception from a signal handler) between releases: those
+        # not reached stay queued with those that failed.
+        requeue = failed + mine[done:]
+        if requeue:
             with _deferred_lock:
-                _deferred[:0] = failed + mine[i:]
-            raise
-    if failed:
-        with _deferred_lock:
-            _deferred[:0] = failed
+                _deferred[:0] = requeue
 
 
 def deferred_releases(driver: Any = None) -> list[str]:

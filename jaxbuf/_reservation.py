@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from jaxbuf._defragment import Defragmenting
 from jaxbuf._errors import ClosedError, attempt, raise_first
+from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf._intervals import IntervalSet
 from jaxbuf._lifetime import release_when_collected, retry_deferred
 from jaxbuf.drivers.base import VmmDriver
@@ -355,10 +356,12 @@ class VirtualBuffer(Defragmenting):
 
     def _rollback_chunk(self, chunk: tuple[int, int, Any], error: BaseException) -> None:
         offset, size, handle = chunk
-        # A chunk whose unmap fails stays recorded (it is mapped and accessible).
-        if self._unmap_and_release_noting(self.base_ptr + offset, size, handle, error):
-            self._committed.discard(offset, offset + size)
-            self._remove_chunk(offset)
+        # A chunk whose unmap fails stays recorded (it is mapped and accessible). Unmapped
+        # and forgotten as one step: an interrupt between them would unmap it twice.
+        with deferred_interrupts():
+            if self._unmap_and_release_noting(self.base_ptr + offset, size, handle, error):
+                self._committed.discard(offset, offset + size)
+                self._remove_chunk(offset)
 
     def grant_access(self, device_indices: tuple[int, ...]) -> None:
         """Grant ``device_indices`` read/write on every committed run, then add them to
@@ -418,45 +421,49 @@ class VirtualBuffer(Defragmenting):
             driver.synchronize(device_index)
         driver.ensure_context(self.device_index)
         still_mapped: list[tuple[int, int, Any]] = []
-        unreleased, self._unreleased = self._unreleased, []
-        for handle in unreleased:
-            try:
-                driver.release(handle)
-            except BaseException as error:  # noqa: BLE001 - re-raised below, an interrupt first
-                errors.append(error)
-                self._unreleased.append(handle)
-        for chunk in self._chunks:
-            offset, size, handle = chunk
-            try:
-                driver.unmap(self.base_ptr + offset, size)
-            except BaseException as error:  # noqa: BLE001 - re-raised below, an interrupt first
-                errors.append(error)
-                still_mapped.append(chunk)
-                continue
-            try:
-                driver.release(handle)
-            except BaseException as error:  # noqa: BLE001 - re-raised below, an interrupt first
-                errors.append(error)
-                self._unreleased.append(handle)
-        self._chunks = []
-        self._chunk_offsets = []
-        self._chunk_ids = {}
-        self._physical_bytes = 0
-        self._committed.clear()
-        for chunk in still_mapped:
-            self._committed.add(chunk[0], chunk[0] + chunk[1])
-            self._insert_chunk(chunk)
-        if self._listeners and still_mapped and errors:
-            # Chunks that could not be unmapped stay mapped: the listeners follow them again.
-            attempt(
-                errors[0],
-                "re-registering the chunks still mapped",
-                self._notify_mapped,
-                [(offset, size) for offset, size, _ in still_mapped],
-            )
-        if not still_mapped:
-            self._stranded = None
-        raise_first(errors, "release_physical")
+        # An interrupt is held back from the first release to the last record of one: one
+        # landing after a call returned would leave a released chunk tracked, released
+        # again by the retry.
+        with deferred_interrupts():
+            unreleased, self._unreleased = self._unreleased, []
+            for handle in unreleased:
+                try:
+                    driver.release(handle)
+                except BaseException as error:  # noqa: BLE001 - re-raised below, an interrupt first
+                    errors.append(error)
+                    self._unreleased.append(handle)
+            for chunk in self._chunks:
+                offset, size, handle = chunk
+                try:
+                    driver.unmap(self.base_ptr + offset, size)
+                except BaseException as error:  # noqa: BLE001 - re-raised below, an interrupt first
+                    errors.append(error)
+                    still_mapped.append(chunk)
+                    continue
+                try:
+                    driver.release(handle)
+                except BaseException as error:  # noqa: BLE001 - re-raised below, an interrupt first
+                    errors.append(error)
+                    self._unreleased.append(handle)
+            self._chunks = []
+            self._chunk_offsets = []
+            self._chunk_ids = {}
+            self._physical_bytes = 0
+            self._committed.clear()
+            for chunk in still_mapped:
+                self._committed.add(chunk[0], chunk[0] + chunk[1])
+                self._insert_chunk(chunk)
+            if self._listeners and still_mapped and errors:
+                # Chunks that could not be unmapped stay mapped: the listeners follow them.
+                attempt(
+                    errors[0],
+                    "re-registering the chunks still mapped",
+                    self._notify_mapped,
+                    [(offset, size) for offset, size, _ in still_mapped],
+                )
+            if not still_mapped:
+                self._stranded = None
+            raise_first(errors, "release_physical")
 
     def release(self) -> None:
         """Release the physical memory and the reservation. Idempotent.
@@ -470,10 +477,11 @@ class VirtualBuffer(Defragmenting):
         self._check_not_telling("free")
         retry_deferred(self._driver)
         self.release_physical()
-        if self.base_ptr:
-            self._driver.free_reserved(self.base_ptr, self.reserved_size)
-        self.base_ptr = 0
-        self._released = True
+        with deferred_interrupts():  # freed and recorded as one step
+            if self.base_ptr:
+                self._driver.free_reserved(self.base_ptr, self.reserved_size)
+            self.base_ptr = 0
+            self._released = True
 
     @property
     def released(self) -> bool:

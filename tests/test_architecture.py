@@ -304,6 +304,7 @@ def test_adapters_import_only_the_drivers_base(name):
         "jaxbuf.drivers.base",
         "jaxbuf._errors",
         "jaxbuf._lifetime",
+        "jaxbuf._interrupts",
         "jaxbuf._dlpack",
     )
     reached = sorted(m for m in _reachable(name) if not _under(m, allowed))

@@ -7,6 +7,7 @@ calls: the bookkeeping is the driver-independent part)."""
 from __future__ import annotations
 
 import contextlib
+import signal
 
 import pytest
 
@@ -350,3 +351,88 @@ def test_a_copy_export_racing_free_refuses_rather_than_copy_zeros(monkeypatch, o
     monkeypatch.undo()
     assert copies and (isinstance(copies[0], ClosedError) or (copies[0] == 9).all())
     tensor.free()
+
+
+# -- an interrupt that lands just after a release returned --------------------------------
+class _SignalAfter(FaultInjectingDriver):
+    """Raises SIGINT just after the ``nth`` call of ``kind`` returned, once armed: Python
+    runs the handler at the next bytecode, so the ``KeyboardInterrupt`` lands where a Ctrl-C
+    during a slow release lands, between the release and the line that records it."""
+
+    def __init__(self, inner, kind):
+        super().__init__(inner, simulate_events=True)
+        self.kind, self.left = kind, 0
+
+    def _after(self, kind):
+        if kind == self.kind and self.left:
+            self.left -= 1
+            if not self.left:
+                signal.raise_signal(signal.SIGINT)
+
+    def unmap(self, ptr, size):
+        super().unmap(ptr, size)
+        self._after("unmap")
+
+    def release(self, handle):
+        super().release(handle)
+        self._after("release")
+
+    def free_reserved(self, ptr, size):
+        super().free_reserved(ptr, size)
+        self._after("free_reserved")
+
+    def host_free(self, host_ptr):
+        super().host_free(host_ptr)
+        self._after("host_free")
+
+
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler (a test runner may have replaced it)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("kind", ["unmap", "release", "free_reserved", "host_free"])
+@pytest.mark.parametrize("name", list(_OWNERS))
+def test_an_interrupt_just_after_a_release_returned_releases_nothing_twice(
+    name, kind, python_sigint
+):
+    """The interrupt is held back until the release is recorded, then reaches the caller;
+    the next ``free()`` finishes without releasing anything twice. Before, such an interrupt
+    left the released chunk, reservation or pinned block tracked: the retry unmapped,
+    released or freed it again (on CUDA a double ``cuMemRelease``)."""
+    make = _OWNERS[name]
+    probe = FaultInjectingDriver(get_vmm_driver("cpu"), simulate_events=True, record_calls=True)
+    owner = make(probe)
+    start = len(probe.log)
+    owner.free()
+    calls = sum(call.kind == kind for call in probe.log[start:])
+    if not calls:
+        pytest.skip(f"{name}.free() makes no {kind} call")
+    for nth in range(1, calls + 1):
+        driver = _SignalAfter(get_vmm_driver("cpu"), kind)
+        owner = make(driver)
+        driver.left = nth
+        with pytest.raises(KeyboardInterrupt):
+            owner.free()
+        owner.free()
+        assert driver.problems() == [], f"interrupt after {kind} {nth} of {calls}"
+        driver.assert_clean()
+
+
+def test_deferred_interrupts_deliver_after_the_block_and_restore_the_handler(python_sigint):
+    from jaxbuf._interrupts import deferred_interrupts
+
+    ran = []
+    with pytest.raises(KeyboardInterrupt), deferred_interrupts():
+        signal.raise_signal(signal.SIGINT)
+        ran.append("after the signal")  # held back: the block runs to its end
+        with deferred_interrupts():  # nested: the outer block delivers
+            ran.append("nested")
+        ran.append("end")
+    assert ran == ["after the signal", "nested", "end"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with deferred_interrupts():  # nothing arrived: nothing raised
+        pass

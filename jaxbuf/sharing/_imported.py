@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxbuf import interop
 from jaxbuf._errors import Cleanup, ClosedError
+from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf._intervals import IntervalSet
 from jaxbuf._lifetime import release_when_collected, retry_deferred
 from jaxbuf._owner import Lifetime
@@ -124,9 +125,10 @@ class _Mappings:
         """Unmap a chunk, then release its handle: the handle is kept (``unreleased``) until
         the driver has released it, so a failed release is retried, never lost."""
         offset, size, handle = self.chunks[chunk_id]
-        self.driver.unmap(self.base_ptr + offset, size)
-        del self.chunks[chunk_id]
-        self.unreleased.append(handle)
+        with deferred_interrupts():  # unmapped and recorded as one step
+            self.driver.unmap(self.base_ptr + offset, size)
+            del self.chunks[chunk_id]
+            self.unreleased.append(handle)
         self.release_unreleased()
 
     def retire_chunk(self, chunk_id: int) -> None:
@@ -137,18 +139,20 @@ class _Mappings:
         """Unmap the retired chunks (no export may use them any more)."""
         while self.retired:
             offset, size, handle = self.retired[-1]
-            self.driver.unmap(self.base_ptr + offset, size)
-            self.retired.pop()
-            self.unreleased.append(handle)
+            with deferred_interrupts():  # unmapped and recorded as one step
+                self.driver.unmap(self.base_ptr + offset, size)
+                self.retired.pop()
+                self.unreleased.append(handle)
         self.release_unreleased()
 
     def release_unreleased(self) -> None:
         """Release every handle in ``unreleased``; the first failure is raised (with the
         others as notes) and the failed handles stay."""
         cleanup = Cleanup("ImportedBuffer: releasing chunk handles")
-        for handle in list(self.unreleased):
-            if cleanup.run(self.driver.release, handle):
-                self.unreleased.remove(handle)
+        with deferred_interrupts(collect=cleanup.errors):  # each release and its record
+            for handle in list(self.unreleased):
+                if cleanup.run(self.driver.release, handle):
+                    self.unreleased.remove(handle)
         cleanup.raise_first()
 
     def overlaps_retired(self, offset: int, size: int) -> bool:
@@ -172,10 +176,11 @@ class _Mappings:
             cleanup.run(self.unmap_chunk, chunk_id)
         cleanup.run(self.unmap_retired)
         cleanup.run(self.release_unreleased)
-        if not cleanup.errors and cleanup.run(
-            driver.free_reserved, self.base_ptr, self.reserved_size
-        ):
-            self.base_ptr = 0
+        with deferred_interrupts(collect=cleanup.errors):  # freed and recorded as one step
+            if not cleanup.errors and cleanup.run(
+                driver.free_reserved, self.base_ptr, self.reserved_size
+            ):
+                self.base_ptr = 0
         cleanup.raise_first()
 
     def __reduce_ex__(self, protocol: Any) -> Any:

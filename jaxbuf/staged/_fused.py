@@ -33,6 +33,7 @@ import numpy as np
 from .. import interop
 from .._checks import as_int as as_index
 from .._errors import Cleanup, attempt
+from .._interrupts import deferred_interrupts
 from .._lifetime import release_when_collected
 from .._resolve import resolve
 from ..devices import Device
@@ -455,8 +456,11 @@ class FusedStagedWriter:
         # The ring first: it waits for each slot's reader (the device copy's too).
         cleanup.run(ring.close)
         for slot in ring.slots:
-            if slot.device_copy is not None and cleanup.run(slot.device_copy.release):
-                slot.device_copy = None
+            if slot.device_copy is None:
+                continue
+            with deferred_interrupts(collect=cleanup.errors):  # released and recorded at once
+                if cleanup.run(slot.device_copy.release):
+                    slot.device_copy = None
         cleanup.raise_first()
 
     free = close

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from .. import interop
 from .._errors import ClosedError
+from .._interrupts import deferred_interrupts
 from .._lifetime import release_when_collected, retry_deferred
 from .._owner import Lifetime
 from ..devices import Device
@@ -103,8 +104,9 @@ class _PinnedHostMemory:
         if ptr:
             if self._sync_index is not None:
                 self._driver.synchronize(self._sync_index)
-            self._driver.host_free(ptr)
-            self.host_ptr = 0
+            with deferred_interrupts():  # freed and recorded as one step
+                self._driver.host_free(ptr)
+                self.host_ptr = 0
 
     def __del__(self, _release: Any = release_when_collected) -> None:
         if getattr(self, "host_ptr", 0):

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import Cleanup, ClosedError
+from .._interrupts import deferred_interrupts
 from .._lifetime import release_when_collected
 
 __all__ = ["UNRECORDED", "DeviceEvent", "PinnedSlot", "PinnedSlotRing"]
@@ -78,8 +79,9 @@ class DeviceEvent:
         with the handle kept, for the next ``release()`` (or the finalizer) to retry."""
         handle = self.handle
         if handle is not None:
-            self._driver.destroy_event(handle)
-            self.handle = None
+            with deferred_interrupts():  # destroyed and forgotten as one step
+                self._driver.destroy_event(handle)
+                self.handle = None
 
     def __del__(self, _release: Any = release_when_collected) -> None:
         handle, self.handle = self.handle, None
@@ -230,13 +232,16 @@ class PinnedSlotRing:
             buffer = slot.buffer
             if buffer is None:
                 continue
-            # What the slot derives from its buffer goes first: a host array kept there
-            # would be a live export, holding the memory past its release.
-            slot.buffer = None
-            slot.refresh()
-            if not cleanup.run(self._release, buffer):
-                slot.buffer = buffer
+            # Released and recorded as one step: an interrupt held back till both ran (it
+            # would otherwise put a freed buffer back), then raised first at the end.
+            with deferred_interrupts(collect=cleanup.errors):
+                # What the slot derives from its buffer goes first: a host array kept there
+                # would be a live export, holding the memory past its release.
+                slot.buffer = None
                 slot.refresh()
+                if not cleanup.run(self._release, buffer):
+                    slot.buffer = buffer
+                    slot.refresh()
         cleanup.raise_first()
 
     @property
