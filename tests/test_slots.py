@@ -247,22 +247,28 @@ def test_close_interrupted_in_a_release_frees_every_slot_on_the_next_close():
     assert not ring.held and len(calls.released) == 3
 
 
-def test_an_event_interrupted_while_destroyed_is_kept_for_a_retry():
-    destroyed, interrupts = [], [KeyboardInterrupt()]
+def test_an_event_destroy_is_retried_after_a_failure_never_after_an_interrupt():
+    """A driver failure keeps the handle for a retry; an interrupt is delivered as the
+    destroy returns (Python runs handlers between bytecodes), so the event is gone: a retry
+    would destroy it twice."""
+    destroyed, errors = [], [KeyboardInterrupt(), RuntimeError("busy")]
 
     class Driver:
         def destroy_event(self, handle):
-            if interrupts:
-                raise interrupts.pop()
             destroyed.append(handle)
+            if errors:
+                raise errors.pop()
 
     event = DeviceEvent.__new__(DeviceEvent)
     event._driver, event.handle = Driver(), 42
+    with pytest.raises(RuntimeError):
+        event.release()
+    assert event.handle == 42  # failed: kept
     with pytest.raises(KeyboardInterrupt):
         event.release()
-    assert event.handle == 42  # not forgotten before it was destroyed
+    assert event.handle is None  # destroyed as the interrupt landed: forgotten
     event.release()
-    assert destroyed == [42] and event.handle is None
+    assert destroyed == [42, 42]  # the failed call and the one that destroyed it, no third
 
 
 def test_a_bad_mode_is_refused():
