@@ -63,27 +63,16 @@ def _check_pair(value: Any, name: str) -> None:
         raise TypeError(f"{name} must be None or a tuple of two ints, got {value!r}")
 
 
-#: The last event the default stream was made to wait for. That stream is one per device and
-#: keeps its order, so once it waited for an event every later consumer on it comes after the
-#: event: exporting the same view again skips the driver call (about 1 µs, more than the
-#: export). Holding the event object keeps its identity from being reused.
-_default_stream_waited: list[Any] = [None]
-
-
 def _order_after_owner(view: BufferView, stream: int | None) -> None:
     """Make ``stream`` (a DLPack stream number; None: a host view, nothing to order) wait for
     the owner's pending producer work (its ``ready_event``; an owner without one has none)."""
     if stream is None:
         return
+    # No cache of the waits made: an owner re-records the same event object for its next
+    # writes (a staged writer's events), so "this stream already waited for it" goes stale.
     event = getattr(view.owner, "ready_event", None)
-    if event is None:
-        return
-    default = stream == _DEFAULT_STREAM[view.dlpack_device_type]
-    if default and _default_stream_waited[0] is event:
-        return
-    view.owner.driver.stream_wait_event(stream, event, view.device.index)
-    if default:
-        _default_stream_waited[0] = event
+    if event is not None:
+        view.owner.driver.stream_wait_event(stream, event, view.device.index)
 
 
 def _wait_for_producer(owner: Any) -> None:

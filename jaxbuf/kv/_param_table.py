@@ -168,10 +168,11 @@ class DeviceParamTable:
     pinned staging slots, rewritten only once its copy is done (an event). A step in flight
     keeps reading the old values: on CUDA the copy goes on the driver's producer stream (the
     legacy default stream, as every jaxbuf producer write), ordered after the work already
-    enqueued on blocking streams (torch's and JAX's default streams are) and before what
-    they enqueue later; a consumer on a non-blocking stream exports the field again
-    (``gpu.to_torch()`` orders it after the last upload). On the CPU the frameworks' pending
-    work is waited for before the copy.
+    enqueued on blocking streams (torch's default stream is one) and before what they
+    enqueue later; a consumer on a non-blocking stream exports the field again
+    (``gpu.to_torch()`` orders it after the last upload). XLA's streams are non-blocking,
+    so once the table was imported into JAX (:meth:`arrays`), and on the CPU always, a
+    changed sync first waits for the steps JAX dispatched (a host wait).
 
     Not thread-safe. Not picklable or copyable. :meth:`close` (or ``free``) means done;
     arrays over the device table keep its memory while they live.
@@ -314,9 +315,12 @@ class DeviceParamTable:
         slot.host[:] = np.frombuffer(current, np.uint8)
         driver, device = self._driver, self.device
         slot.guard = UNRECORDED  # the copy may read it from now on
-        if not self._asynchronous:
-            # The copy happens now (the CPU): the steps JAX dispatched asynchronously must
-            # finish reading the old values first.
+        if not self._asynchronous or "jax" in self._arrays:
+            # The steps JAX dispatched must finish reading the old values first: on the CPU
+            # the copy happens now, and on CUDA XLA's streams are non-blocking, so a copy on
+            # the default stream would not wait for them (torch's default stream is ordered
+            # with it: no wait for torch alone). Measured on an H200: without it a step in
+            # flight read the new values.
             interop.quiesce(device)
         driver.copy(self._device_ptr, slot.host.ctypes.data, self.nbytes, device.index)
         handle = driver.record_ready_event(device.index)
