@@ -636,9 +636,6 @@ def test_exports_order_after_pending_writes_without_a_gpu(monkeypatch):
     """The producer functions order the legacy default stream (DLPack 1, what
     ``current_work_stream`` names) on the view's device; ``exchange_to`` orders the stream it
     is given; a failed wait fails the export and gives it back."""
-    from jaxbuf import views
-
-    monkeypatch.setattr(views, "_default_stream_waited", [None])
     data = np.zeros(6, np.float32)
     owner = PendingOwner()
     view = stand_in_cuda_view(owner, data)
@@ -663,7 +660,6 @@ def pending_cuda_view(monkeypatch):
     """A CUDA view whose owner has a pending write (a zeroing memset on the producer stream),
     and the DLPack streams its driver is asked to order after it."""
     import jaxbuf
-    from jaxbuf import views
 
     buffer = jaxbuf.ExtensibleTensor(64 << 20, device="cuda")
     buffer.resize_segments_([64 << 20], zero_new=True)
@@ -676,7 +672,6 @@ def pending_cuda_view(monkeypatch):
         return wait(stream, event, index)
 
     monkeypatch.setattr(buffer.driver, "stream_wait_event", recording_wait)
-    monkeypatch.setattr(views, "_default_stream_waited", [None])  # no earlier wait counts
     return buffer, buffer.segment_view(0).view("float32"), waits
 
 
@@ -709,9 +704,6 @@ def test_the_c_export_orders_the_default_stream_after_pending_writes(monkeypatch
     assert waits == [1]
     assert (managed.dl_tensor.device.device_type, managed.dl_tensor.device.device_id) == (2, 0)
     delete(managed)
-    from jaxbuf import views
-
-    views._default_stream_waited[0] = None
     out = _dlpack.DLTensor()
     assert DLTENSOR_FROM_PY(API.dltensor_from_py_object_no_sync)(view, ctypes.byref(out)) == 0
     assert waits == [1, 1] and out.data == view.ptr
