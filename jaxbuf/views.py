@@ -312,7 +312,8 @@ class BufferView:
             device_type = target[0]
         anchor = _dlpack.anchor_for(self.owner)
         if stream is None:  # the standard's default stream of the device (CUDA: legacy)
-            if device_type in _STREAM_DEVICE_TYPES:
+            # Inlined up to the event: the hot path of an owner with no pending work.
+            if device_type in _STREAM_DEVICE_TYPES and getattr(self.owner, "ready_event", None):
                 _order_after_owner(self, _DEFAULT_STREAM[device_type])
         elif stream != -1:
             self._wait_on_stream(stream, device_type)
