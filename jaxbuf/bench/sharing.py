@@ -29,6 +29,7 @@ from jaxbuf.extensible import ExtensibleTensor, granule_size
 from jaxbuf.sharing import send_buffer
 
 _CHUNK_COUNTS = (1, 64)
+_QUICK_CHUNK_COUNTS = (1, 8)  # --quick: a smoke run, 16 MiB instead of 128 MiB
 
 _IMPORTER = textwrap.dedent(
     r"""
@@ -172,18 +173,20 @@ def import_latency(device: Any, quick: bool) -> Iterator[Row | Sizes]:
     # The first round of each is a warm-up; the CPU's run stays short.
     rounds = 4 if quick else (21 if device.is_cuda else 11)
     chunk = granule_size(device)
-    counts = " and ".join(map(str, _CHUNK_COUNTS))
+    chunk_counts = _QUICK_CHUNK_COUNTS if quick else _CHUNK_COUNTS
+    counts = " and ".join(map(str, chunk_counts))
     yield Sizes(f"{counts} chunks of {format_bytes(chunk)}, {rounds - 1} rounds")
     importer = _Importer(device)
     try:
-        for chunks in _CHUNK_COUNTS:
+        for chunks in chunk_counts:
             tensor = ExtensibleTensor(chunks * chunk, device=device)
             try:
                 for n in range(1, chunks + 1):  # one chunk per grow
                     tensor.resize_per_segment_(n * chunk)
                 nbytes = tensor.num_bytes
                 host = np.empty(nbytes, dtype=np.uint8)
-                host[:] = np.arange(nbytes, dtype=np.int64) % 251
+                # A pattern that no chunk boundary repeats (251 is prime), built in uint8.
+                host[:] = np.resize(np.arange(251, dtype=np.uint8), nbytes)
                 index = tensor.device.index
                 tensor.driver.copy(tensor.base_ptr, host.ctypes.data, nbytes, index)
                 tensor.driver.synchronize(index)
