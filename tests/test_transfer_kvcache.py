@@ -271,3 +271,31 @@ def test_nixl_moves_the_same_blocks():
         endpoint.close()
         cache.free()
         peer.stop()
+
+
+def test_close_closes_every_tensor_through_an_interrupt_and_finishes_next_time():
+    """An interrupt from one per-tensor close: the others still close, the interrupt reaches
+    the caller, and the endpoint stays open until a second close() has closed them all."""
+    cache = _cache()
+    endpoint = KVCacheEndpoint("here", cache, transport="local")
+    try:
+        first = endpoint.endpoints[0]
+        close, interrupts = first.close, [KeyboardInterrupt()]
+
+        def interrupted_close():
+            if interrupts:
+                raise interrupts.pop()
+            close()
+
+        first.close = interrupted_close
+        with pytest.raises(KeyboardInterrupt):
+            endpoint.close()
+        assert not endpoint.closed
+        assert all(e.closed for e in endpoint.endpoints[1:])
+        endpoint.close()
+        assert endpoint.closed and first.closed
+        with pytest.raises(RuntimeError, match="KVCacheEndpoint has been closed"):
+            endpoint.read("peer", [0], [0])
+    finally:
+        endpoint.close()
+        cache.free()

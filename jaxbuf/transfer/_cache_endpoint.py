@@ -27,9 +27,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxbuf._checks import as_seconds
+from jaxbuf._errors import Cleanup, ClosedError
 from jaxbuf.kv import ExtensibleKVCacheBuffers
 from jaxbuf.transfer._blocks import KVLayout
-from jaxbuf.transfer._endpoint import TRANSPORTS, KVEndpoint, Peer
+from jaxbuf.transfer._endpoint import TRANSPORTS, KVEndpoint, Peer, wait_for_notification
 from jaxbuf.transfer._nixl import Agent
 from jaxbuf.transfer._registration import DEFAULT_RELEASE_TIMEOUT
 from jaxbuf.transfer._transfer import DEFAULT_TIMEOUT, Transfer
@@ -328,17 +329,7 @@ class KVCacheEndpoint:
         """Wait until ``peer`` sends ``message``; TimeoutError after ``timeout`` seconds.
         Other notifications stay queued for later waits."""
         name = peer.name if isinstance(peer, KVCachePeer) else peer
-        deadline = time.monotonic() + timeout
-        while True:
-            for sender, messages in self.notifications().items():
-                self._pending.setdefault(sender, []).extend(messages)
-            queue = self._pending.get(name, [])
-            if message in queue:
-                queue.remove(message)
-                return
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"no notification {message!r} from {name!r} within {timeout} s")
-            time.sleep(1e-4)
+        wait_for_notification(self.notifications, self._pending, name, message, timeout)
 
     def notify(self, peer: KVCachePeer | str, message: bytes) -> None:
         """Send ``message`` to ``peer`` alone (no transfer)."""
@@ -356,22 +347,23 @@ class KVCacheEndpoint:
     # -- closing --------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self.closed:
-            raise RuntimeError("the KVCacheEndpoint is closed")
+            raise ClosedError("KVCacheEndpoint", "closed")
 
     def close(self) -> None:
-        """Close every per-tensor endpoint (before the cache is freed). Safe to call twice."""
+        """Close every per-tensor endpoint (before the cache is freed). Safe to call twice.
+
+        Every endpoint is closed whatever the others raise, an interrupt included; the first
+        failure is raised with the others as notes, and the endpoint stays open so that
+        ``close()`` again finishes (each per-tensor close is idempotent)."""
         if self.closed:
             return
-        errors = []
+        cleanup = Cleanup("KVCacheEndpoint.close")
         for endpoint in self.endpoints:
-            try:
-                endpoint.close()
-            except Exception as error:  # noqa: BLE001 - the others still close; raised below
-                errors.append(error)
+            cleanup.run(endpoint.close)
         self.peers.clear()
-        self.closed = True
-        if errors:
-            raise errors[0]
+        if not cleanup.errors:
+            self.closed = True
+        cleanup.raise_first()
 
     def __enter__(self) -> KVCacheEndpoint:
         return self

@@ -76,6 +76,25 @@ class Peer:
         return "nixl" if self.link is None else "local"
 
 
+def wait_for_notification(
+    poll: Any, pending: dict[str, list[bytes]], name: str, message: bytes, timeout: float
+) -> None:
+    """Poll ``poll()`` (``{sender: [messages]}`` arrived since the last call) into ``pending``
+    until ``message`` from ``name`` is there, and take it; TimeoutError naming both after
+    ``timeout`` seconds. Other notifications stay in ``pending`` for later waits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for sender, messages in poll().items():
+            pending.setdefault(sender, []).extend(messages)
+        queue = pending.get(name, [])
+        if message in queue:
+            queue.remove(message)
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no notification {message!r} from {name!r} within {timeout} s")
+        time.sleep(1e-4)
+
+
 class KVEndpoint:
     """One side of block transfers: ``tensor`` registered with ``agent``, seen as ``layout``.
 
@@ -441,18 +460,9 @@ class KVEndpoint:
         naming both after ``timeout`` seconds. Other notifications stay queued for
         :meth:`wait_notification`."""
         name = peer.name if isinstance(peer, Peer) else peer
-        deadline = time.monotonic() + timeout
-        pending = self._pending_notifications
-        while True:
-            for sender, messages in self.notifications().items():
-                pending.setdefault(sender, []).extend(messages)
-            queue = pending.get(name, [])
-            if message in queue:
-                queue.remove(message)
-                return
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"no notification {message!r} from {name!r} within {timeout} s")
-            time.sleep(1e-4)
+        wait_for_notification(
+            self.notifications, self._pending_notifications, name, message, timeout
+        )
 
     def notify(self, peer: Peer | str, message: bytes) -> None:
         """Send ``message`` to ``peer`` alone (no transfer)."""
