@@ -175,7 +175,7 @@ def test_an_endpoint_close_interrupted_in_a_peer_import_finishes_next_time(monke
     endpoint = KVEndpoint("importer", mine, KVLayout(4096))
     threads = threading.active_count()
     peer = endpoint.connect(served.metadata())
-    imported = peer.link.imported
+    imported = peer.link.imports[0]
     close, interrupts = ImportedBuffer.close, [KeyboardInterrupt()]
 
     def interrupted_once(self):

@@ -380,7 +380,7 @@ def test_hostile_metadata_is_refused_before_nixl_sees_it(local):
     for junk in (b"", b"JXKV" + b"\0" * 12, b"XXXX" + bytes(20), _wire.encode(good)[:40]):
         with pytest.raises(ValueError):
             endpoint.connect(junk)
-    with pytest.raises(ValueError, match="uses blocks of"):
+    with pytest.raises(ValueError, match="has blocks of"):
         endpoint.connect(_wire.encode(dataclasses.replace(good, block_bytes=4096)))
 
     # A peer claiming more committed memory than it registered: the uncovered blocks are

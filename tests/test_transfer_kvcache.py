@@ -8,6 +8,7 @@ installed."""
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -182,7 +183,7 @@ def test_one_request_moves_the_blocks_of_every_layer(caches):
     there.commit(20)
     _fill(cache, here, [2, 7], seed=3)
     transfer = endpoint.write("peer", [2, 7], [19, 0], notification=b"kv")
-    assert transfer.done and len(transfer.parts) == len(TENSORS)
+    assert transfer.done and f"in {len(TENSORS)} tensors" in transfer.what  # one transfer
     peer("wait_notification", "here", b"kv")
     _copy(here, there, [2, 7], [19, 0])
     with pytest.raises(IndexError, match="peer's block 20 is out of range"):
@@ -203,7 +204,7 @@ def test_one_request_moves_the_blocks_of_every_layer(caches):
 def test_a_message_of_another_cache_is_refused_and_changes_nothing(caches):
     peer, cache, endpoint = caches
     _exchange(peer, endpoint)
-    before = {name: p.peers for name, p in endpoint.peers.items()}
+    before = {name: (p.layouts, p.link) for name, p in endpoint.peers.items()}
     other = jaxbuf.ExtensibleKVCacheBuilder(CAPACITY, "cpu")
     other.reserve(CAPACITY * 2 * 64 * KiB, 2)
     other_cache = other.finish()
@@ -227,10 +228,12 @@ def test_a_message_of_another_cache_is_refused_and_changes_nothing(caches):
         endpoint.connect(message + b"\0")
     with pytest.raises(ValueError, match="ends inside tensor"):
         endpoint.connect(message[:-1])
+    assert {name: (p.layouts, p.link) for name, p in endpoint.peers.items()} == before
     endpoint.connect(message)
+    before = {name: (p.layouts, p.link) for name, p in endpoint.peers.items()}
     with pytest.raises(ValueError, match="tensor 0's metadata"):
         endpoint.connect(message)  # stale: the same epoch again
-    assert {name: p.peers for name, p in endpoint.peers.items()} == before
+    assert {name: (p.layouts, p.link) for name, p in endpoint.peers.items()} == before
     with pytest.raises(TypeError, match="ExtensibleKVCacheBuffers"):
         KVCacheEndpoint("bad", [cache.tensors[0]])
     with pytest.raises(ValueError, match="not a connected peer"):
@@ -246,7 +249,7 @@ def test_a_cache_with_a_different_block_size_is_refused():
         with KVCacheEndpoint("a", a) as ea, KVCacheEndpoint("b", b) as eb:
             with pytest.raises(ValueError, match="tensor 0 has blocks of 131072 bytes"):
                 eb.connect(ea.metadata())
-            assert eb.peers == {} and eb.endpoints[0].peers == {}
+            assert eb.peers == {}
     finally:
         a.free()
         b.free()
@@ -274,12 +277,14 @@ def test_nixl_moves_the_same_blocks():
 
 
 def test_close_closes_every_tensor_through_an_interrupt_and_finishes_next_time():
-    """An interrupt from one per-tensor close: the others still close, the interrupt reaches
-    the caller, and the endpoint stays open until a second close() has closed them all."""
+    """An interrupt from one tensor's registration close: the others still close, the
+    interrupt reaches the caller, and the endpoint stays open until a second close() has
+    closed them all."""
     cache = _cache()
     endpoint = KVCacheEndpoint("here", cache, transport="local")
     try:
-        first = endpoint.endpoints[0]
+        endpoint.metadata()  # the control server runs
+        first = endpoint.sides[0].registration
         close, interrupts = first.close, [KeyboardInterrupt()]
 
         def interrupted_close():
@@ -291,7 +296,8 @@ def test_close_closes_every_tensor_through_an_interrupt_and_finishes_next_time()
         with pytest.raises(KeyboardInterrupt):
             endpoint.close()
         assert not endpoint.closed
-        assert all(e.closed for e in endpoint.endpoints[1:])
+        assert all(side.registration.closed for side in endpoint.sides[1:])
+        assert not any(t.name.startswith("jaxbuf-control") for t in threading.enumerate())
         endpoint.close()
         assert endpoint.closed and first.closed
         with pytest.raises(RuntimeError, match="KVCacheEndpoint has been closed"):

@@ -236,7 +236,7 @@ def test_an_impostor_message_is_refused_and_changes_nothing(pair):
     [
         ({"boot_id": "0" * 36}, "another host"),
         ({"uid": os.geteuid() + 1}, "runs as uid"),
-        ({"address": "jaxbuf-no-such-socket"}, "socket failed"),
+        ({"address": "jaxbuf-no-such-socket"}, "unreachable"),
     ],
 )
 def test_a_peer_off_this_host_or_user_is_refused_with_transport_local(pair, change, message):
@@ -300,9 +300,9 @@ def test_hostile_frames_close_that_connection_only(pair):
     address = _wire.decode(endpoint.metadata()).local.address
     payloads = [
         b"\x00" * 64,
-        struct.pack("!cI", b"H", 5) + b"hello" + struct.pack("!cI", b"N", 1 << 30),
-        struct.pack("!cI", b"L", 0),
-        struct.pack("!cI", b"H", 1) + b"x" + struct.pack("!cI", b"Z", 0),
+        struct.pack("!cQI", b"H", 0, 5) + b"hello" + struct.pack("!cQI", b"N", 0, 1 << 30),
+        struct.pack("!cQI", b"L", 1, 0),
+        struct.pack("!cQI", b"H", 0, 1) + b"x" + struct.pack("!cQI", b"Z", 0, 0),
     ]
     for payload in payloads:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as hostile:

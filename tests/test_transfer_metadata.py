@@ -77,7 +77,7 @@ def fill(tensor, segment: int, seed: int) -> np.ndarray:
 def state_of(endpoint) -> tuple:
     """What a refused message must not change."""
     return (
-        {name: (peer.layout, peer.dlist, peer.table) for name, peer in endpoint.peers.items()},
+        {name: (peer.layouts, peer.link) for name, peer in endpoint.peers.items()},
         set(endpoint.agent.remote_agents),
         endpoint.agent.live_dlists,
     )
@@ -257,14 +257,14 @@ def test_block_tables_in_runs_match_a_per_block_reference(seed):
 
 # -- 4. decoding costs about the message --------------------------------------------------------
 def raw(body: dict, segments=(), registrations=(), nixl: bytes = b"", **counts) -> bytes:
-    """A protocol-2 message written by hand: any JSON, any arrays, any counts."""
+    """A protocol-3 message written by hand: any JSON, any arrays, any counts."""
     text = json.dumps(body).encode()
     segments = np.asarray(segments, dtype="<u8").reshape(-1, 3)
     registrations = np.asarray(registrations, dtype="<u8").reshape(-1, 2)
     header = struct.pack(
         "!4sIIII",
         counts.get("magic", b"JXKV"),
-        counts.get("protocol", 2),
+        counts.get("protocol", 3),
         counts.get("text_bytes", len(text)),
         counts.get("num_segments", len(segments)),
         counts.get("num_registrations", len(registrations)),
@@ -274,6 +274,7 @@ def raw(body: dict, segments=(), registrations=(), nixl: bytes = b"", **counts) 
 
 GOOD_BODY = {
     "agent": "peer",
+    "instance": "0123456789abcdef" * 2,
     "epoch": 1,
     "mem_type": "DRAM",
     "device_id": 0,
@@ -337,7 +338,7 @@ def test_decoding_a_hostile_message_costs_about_the_message(hostile):
 def test_protocol_1_is_refused_by_name():
     text = json.dumps({**GOOD_BODY, "segments": GOOD_SEGMENTS, "registrations": []}).encode()
     message = struct.pack("!4sIQ", b"JXKV", 1, len(text)) + text + b"nixl"
-    with pytest.raises(ValueError, match="metadata protocol 1 is not supported .this is 2"):
+    with pytest.raises(ValueError, match="metadata protocol 1 is not supported .this is 3"):
         _wire.decode(message)
 
 
@@ -358,7 +359,7 @@ def bad_bodies():
         for value in values:
             yield key, {**GOOD_BODY, key: value}
     yield "base", {**GOOD_BODY, "base": (1 << 30) + 8}  # not aligned
-    yield "not of protocol 2", {**GOOD_BODY, "segments": []}
+    yield "not of protocol 3", {**GOOD_BODY, "segments": []}
     yield "local", {**GOOD_BODY, "local": "jaxbuf"}
     yield "local", {**GOOD_BODY, "local": {**LOCAL, "extra": 1}}
     yield "local", {**GOOD_BODY, "local": {"boot_id": BOOT_ID, "uid": 0}}
@@ -423,14 +424,14 @@ def test_bad_framing_is_refused():
         "the message has": good[:-2],  # nixl b"n" and one registration byte gone
         "'segments'": raw(GOOD_BODY, GOOD_SEGMENTS, num_segments=1 << 20),
         "'registrations'": raw(GOOD_BODY, GOOD_SEGMENTS, num_registrations=(1 << 20) + 1),
-        "not JSON": raw(GOOD_BODY, GOOD_SEGMENTS)[:20] + b"\xff" * 200,
+        "not JSON": raw(GOOD_BODY, GOOD_SEGMENTS)[:20] + b"\xff" * 400,
         "JSON object": raw([1, 2], GOOD_SEGMENTS),
     }
     for match, message in cases.items():
         with pytest.raises(ValueError, match=match):
             _wire.decode(message)
     deep = b"[" * 5000 + b"]" * 5000
-    header = struct.pack("!4sIIII", b"JXKV", 2, len(deep), 1, 0)
+    header = struct.pack("!4sIIII", b"JXKV", 3, len(deep), 1, 0)
     # Python 3.11's parser gives up on the nesting (not JSON); 3.12's parses it, and a list is
     # no layout: refused either way, before anything else is read.
     with pytest.raises(ValueError, match="not JSON|must be a JSON object"):

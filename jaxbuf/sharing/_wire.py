@@ -18,12 +18,15 @@ import contextlib
 import json
 import math
 import os
+import select
 import socket
 import struct
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
+
+from jaxbuf._interrupts import deferred_interrupts
 
 _MAGIC = b"JXB1"
 _HEADER = struct.Struct("!4sQI")  # magic, payload bytes, descriptor count
@@ -184,7 +187,63 @@ def connect_unix(
     return sock
 
 
+def listen_abstract(name: str, backlog: int = 64) -> socket.socket:
+    """A listening, non-blocking, close-on-exec ``AF_UNIX`` stream socket bound to the
+    abstract name ``"\\0" + name`` (no file: it goes when the socket closes). An abstract
+    socket has no permissions: whoever accepts checks the peer (:func:`peer_credentials`)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind("\0" + name)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def connect_abstract(
+    name: str,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    allowed_uids: Iterable[int] | None = None,
+    sock: socket.socket | None = None,
+) -> socket.socket:
+    """A stream socket connected to the abstract ``AF_UNIX`` name ``name`` within
+    ``timeout`` seconds, whose listener runs as one of ``allowed_uids`` (default: this
+    process's effective uid; ``PermissionError`` otherwise). Blocking, with ``timeout`` as
+    its socket timeout. ``sock``: an unconnected ``AF_UNIX`` stream socket the caller
+    already holds (it stays the caller's, on error too); default a new close-on-exec one,
+    closed on error."""
+    timeout = _check_timeout(timeout)
+    allowed = _allowed_uids(allowed_uids)
+    owned = sock is None
+    if sock is None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        sock.connect("\0" + name)
+        _check_peer(sock, allowed)
+    except BaseException:
+        if owned:
+            sock.close()
+        raise
+    return sock
+
+
 # -- messages ---------------------------------------------------------------------------
+def message_pieces(layout: dict, fds: Sequence[int]) -> list[tuple[bytes, list[int]]]:
+    """The pieces :func:`send_layout` sends for one message, in order: ``(bytes, [])`` for
+    the header and payload, then ``(b"F", batch)`` for each batch of descriptors. A sender
+    on a non-blocking socket sends them one by one (a batch is one byte, so it goes whole or
+    not at all); the caller still owns ``fds``."""
+    payload = json.dumps(layout, separators=(",", ":")).encode()
+    pieces = [(_HEADER.pack(_MAGIC, len(payload), len(fds)) + payload, [])]
+    for start in range(0, len(fds), _FDS_PER_BATCH):
+        pieces.append((b"F", list(fds[start : start + _FDS_PER_BATCH])))
+    return pieces
+
+
 def send_layout(
     sock: socket.socket,
     layout: dict,
@@ -197,13 +256,13 @@ def send_layout(
     ``TimeoutError`` when the peer has not taken the whole message within ``timeout``
     seconds (``None``: wait forever); the connection is then out of step (close it)."""
     timeout = _check_timeout(timeout)
-    payload = json.dumps(layout, separators=(",", ":")).encode()
     with _deadline(sock, timeout, "sending a jaxbuf layout") as arm:
-        arm()
-        sock.sendall(_HEADER.pack(_MAGIC, len(payload), len(fds)) + payload)
-        for start in range(0, len(fds), _FDS_PER_BATCH):
+        for data, batch in message_pieces(layout, fds):
             arm()
-            socket.send_fds(sock, [b"F"], list(fds[start : start + _FDS_PER_BATCH]))
+            if batch:
+                socket.send_fds(sock, [data], batch)
+            else:
+                sock.sendall(data)
 
 
 def _recv_exact(sock: socket.socket, size: int, arm: Callable[[], None]) -> bytes:
@@ -218,33 +277,51 @@ def _recv_exact(sock: socket.socket, size: int, arm: Callable[[], None]) -> byte
     return b"".join(parts)
 
 
-def _recv_fd_batch(sock: socket.socket, count: int) -> list[int]:
-    """One ``b"F"`` byte and the ``count`` descriptors attached to it (close-on-exec)."""
+def _recv_fd_batch(
+    sock: socket.socket, count: int, arm: Callable[[], None], held: list[int]
+) -> None:
+    """One ``b"F"`` byte and the ``count`` descriptors attached to it (close-on-exec),
+    appended to ``held``.
+
+    The wait for the batch may be interrupted; receiving it and recording it in ``held``
+    is one step an interrupt cannot split (a descriptor received but not recorded would
+    leak and pin the peer's memory): the batch is read only once the socket is readable,
+    without blocking, with interrupts held back."""
+    arm()
+    if not select.select([sock], [], [], sock.gettimeout())[0]:
+        raise TimeoutError
     itemsize = array.array("i").itemsize
-    flags = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
-    data, ancillary, msg_flags, _ = sock.recvmsg(1, socket.CMSG_SPACE(count * itemsize), flags)
+    flags = getattr(socket, "MSG_CMSG_CLOEXEC", 0) | socket.MSG_DONTWAIT
     fds: list[int] = []
-    for level, kind, cmsg in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            received = array.array("i")
-            received.frombytes(cmsg[: len(cmsg) - len(cmsg) % itemsize])
-            fds.extend(received)
+    with deferred_interrupts():
+        data, ancillary, msg_flags, _ = sock.recvmsg(1, socket.CMSG_SPACE(count * itemsize), flags)
+        for level, kind, cmsg in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                received = array.array("i")
+                received.frombytes(cmsg[: len(cmsg) - len(cmsg) % itemsize])
+                fds.extend(received)
+        held.extend(fds)
     if data != b"F" or msg_flags & getattr(socket, "MSG_CTRUNC", 0) or len(fds) != count:
-        _close_all(fds)
         if not data:
             raise ConnectionError("socket closed while receiving descriptors")
         raise ValueError(
             f"malformed descriptor batch: expected {count} descriptors with b'F', got "
             f"{len(fds)} with {data!r} (flags {msg_flags:#x})"
         )
-    return fds
 
 
 def recv_layout(
-    sock: socket.socket, *, timeout: float | None = DEFAULT_TIMEOUT
+    sock: socket.socket,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    held: list[int] | None = None,
 ) -> tuple[dict, list[int]]:
     """Receive one message from :func:`send_layout`: ``(layout, fds)``; the caller owns
     the descriptors (on error, none is left open).
+
+    With ``held``, every descriptor is appended there the moment it is received, and
+    stays there on error too: the caller owns them from that instant, whatever interrupts
+    it (a ``KeyboardInterrupt`` cannot leak one), and closes or hands them over.
 
     Checks the framing only (header, JSON object, descriptor batches):
     :class:`~jaxbuf.sharing.ImportedBuffer` validates the layout itself. A malformed message
@@ -255,7 +332,9 @@ def recv_layout(
     step: close it.
     """
     timeout = _check_timeout(timeout)
-    fds: list[int] = []
+    owned = held is None
+    received: list[int] = [] if held is None else held
+    first = len(received)
     with _deadline(sock, timeout, "receiving a jaxbuf layout") as arm:
         magic, payload_size, count = _HEADER.unpack(_recv_exact(sock, _HEADER.size, arm))
         if magic != _MAGIC or payload_size > _MAX_PAYLOAD or count > _MAX_FDS:
@@ -271,13 +350,14 @@ def recv_layout(
         if not isinstance(layout, dict):
             raise ValueError(f"malformed jaxbuf layout message: not a JSON object: {layout!r:.100}")
         try:
-            while len(fds) < count:
-                arm()
-                fds.extend(_recv_fd_batch(sock, min(_FDS_PER_BATCH, count - len(fds))))
+            while len(received) - first < count:
+                batch = min(_FDS_PER_BATCH, count - (len(received) - first))
+                _recv_fd_batch(sock, batch, arm, received)
         except BaseException:
-            _close_all(fds)
+            if owned:
+                _close_all(received)
             raise
-    return layout, fds
+    return layout, received[first:]
 
 
 def _close_all(fds: Sequence[int]) -> None:

@@ -46,6 +46,7 @@ Two endpoints in one process (two processes exchange ``metadata()`` the same way
 """
 
 from jaxbuf.transfer._cache_endpoint import KVCacheEndpoint, KVCachePeer, KVCacheTransfer
+from jaxbuf.transfer._control import Limits
 from jaxbuf.transfer._endpoint import (
     TRANSPORTS,
     KVEndpoint,
@@ -66,6 +67,7 @@ __all__ = [
     "KVCacheTransfer",
     "KVEndpoint",
     "KVLayout",
+    "Limits",
     "LocalAddress",
     "NixlUnavailable",
     "Peer",

@@ -21,6 +21,7 @@ __all__ = [
     "KVLayout",
     "block_ids",
     "bounds",
+    "check_block_range",
     "describe",
     "split_pairs",
 ]
@@ -142,17 +143,9 @@ class BlockTable:
 
     def check_blocks(self, blocks: np.ndarray, side: str, segments: list[int]) -> int:
         """IndexError naming the first block id outside what each of ``segments`` (layout
-        positions) committed; else the highest block id."""
+        positions) committed (:func:`check_block_range`); else the highest block id."""
         limit = min(self.num_blocks[s] for s in segments)
-        low, high = bounds(blocks)
-        if low < 0 or high >= limit:
-            bad = int(blocks[(blocks < 0) | (blocks >= limit)][0])
-            raise IndexError(
-                f"{side} block {bad} is out of range: {limit} block(s) of {self.block_bytes} "
-                f"bytes are committed in each segment transferred there (committed blocks per "
-                f"segment: {self.num_blocks})"
-            )
-        return high
+        return check_block_range(blocks, limit, side, self.block_bytes)
 
     def prepared_indices(
         self, blocks: np.ndarray, side: str, segments: list[int]
@@ -215,17 +208,45 @@ def bounds(values: np.ndarray) -> tuple[int, int]:
 
 
 def block_ids(blocks: Any, name: str) -> np.ndarray:
+    """``blocks`` as a 1-D int64 array; TypeError for what is not a sequence of integer ids,
+    IndexError naming an id beyond int64 as given (never wrapped around)."""
     if isinstance(blocks, np.ndarray) and blocks.dtype == np.int64 and blocks.ndim == 1:
         return blocks
     try:
         array = np.asarray(blocks)
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"{name} must be a sequence of block ids, got {blocks!r}") from error
+    except (TypeError, ValueError, OverflowError) as error:
+        raise TypeError(f"{name} must be a sequence of block ids, got {blocks!r:.200}") from error
     if array.ndim == 0:
         array = array.reshape(1)
+    if array.dtype == object and array.ndim == 1:  # Python ints beyond int64 land here
+        for value in array.tolist():
+            if type(value) is int or isinstance(value, np.integer):
+                if not _INT64_MIN <= int(value) <= _INT64_MAX:
+                    raise IndexError(f"{name}: block {value} is out of range (beyond int64)")
+            else:
+                break
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise TypeError(f"{name} must be a 1-D sequence of integer block ids, got {blocks!r}")
+        raise TypeError(f"{name} must be a 1-D sequence of integer block ids, got {blocks!r:.200}")
+    if array.dtype == np.uint64 and array.size and int(array.max()) > _INT64_MAX:
+        raise IndexError(f"{name}: block {int(array.max())} is out of range (beyond int64)")
     return array.astype(np.int64, copy=False)
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def check_block_range(blocks: np.ndarray, limit: int, side: str, block_bytes: int) -> int:
+    """The one range check of block ids: IndexError naming the first of ``blocks`` outside
+    ``[0, limit)`` (``side``: "local" or the peer's name), else the highest id."""
+    low, high = bounds(blocks)
+    if low < 0 or high >= limit:
+        bad = int(blocks[(blocks < 0) | (blocks >= limit)][0])
+        whose = side if side == "local" else f"{side}'s"
+        raise IndexError(
+            f"{whose} block {bad} is out of range: {limit} block(s) of {block_bytes} bytes are "
+            "committed (and mapped) in every segment transferred there"
+        )
+    return high
 
 
 def describe(blocks: np.ndarray) -> str:

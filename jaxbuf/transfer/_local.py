@@ -1,62 +1,35 @@
-"""The same-host transport: a peer's chunks imported through :mod:`jaxbuf.sharing`, block
-transfers as driver copies in this process.
+"""The same-host transport: a peer's chunks imported through :mod:`jaxbuf.sharing`, and a
+whole request moved as one driver copy in this process.
 
 NIXL's UCX opens a peer's GPU memory with legacy CUDA IPC handles, which ``cuMemCreate``
 memory has none of, or with fabric handles, which most single hosts refuse: between two
 processes of one host it moves jaxbuf memory through TCP loopback. This transport does what
-UCX cannot: the owner serves its chunks as POSIX descriptors (``SCM_RIGHTS``) on an abstract
-Unix socket, the initiator maps them at the owner's offsets (an
-:class:`~jaxbuf.sharing.ImportedBuffer`), and a transfer is one
-:meth:`~jaxbuf.drivers.base.VmmDriver.copy_batch` between its own buffer and that import:
-one call for a whole block list, stream-ordered on CUDA, a ``memcpy`` loop in C on the CPU.
-
-Pieces:
-
-* :class:`LocalServer` (the owner's side): a thread that accepts peers of this uid, serves
-  the descriptors of the chunks published at the last :meth:`LocalServer.publish` (the
-  endpoint's ``metadata()``), and queues notifications peers send. It is a mapping listener
-  of the buffer: a chunk about to be unmapped is dropped from what it serves, at once.
-* :class:`LocalLink` (the initiator's side, one per peer): the connection to a peer's server
-  and the import of its buffer, refreshed when a newer metadata message arrives.
-* :class:`LocalTransfer`: one posted copy; :meth:`~LocalTransfer.wait` as for NIXL.
-
-Frames on a connection (initiator to owner): a 5-byte header (a kind byte, a 4-byte length,
-network order) then the payload: ``H`` hello (the sender's endpoint name, the first frame),
-``L`` a layout request (empty), ``N`` a notification. The owner answers ``L`` only, with
-``L`` carrying its endpoint name (the initiator checks it is the peer its metadata named)
-followed by one :func:`~jaxbuf.sharing.send_layout` message, or ``E`` and the reason.
-A malformed frame closes that connection alone; the server and every other peer go on.
+UCX cannot: the owner's control plane (:mod:`jaxbuf.transfer._control`) serves the chunks of
+every tensor as POSIX descriptors, this side maps them at the owner's offsets (one
+:class:`~jaxbuf.sharing.ImportedBuffer` per tensor), and a request is one copy of a list of
+``(destination, source, size)`` triples over every tensor and segment:
+:class:`~jaxbuf.transfer._device_copy.BlockCopier` (one launch on CUDA, one C loop on the
+CPU).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
 import os
-import secrets
-import selectors
-import socket
-import struct
-import threading
 from typing import Any
 
 import numpy as np
 
-from jaxbuf.sharing import ImportedBuffer, export_layout, peer_credentials, recv_layout
-from jaxbuf.sharing._wire import _close_all, send_layout
-from jaxbuf.sharing._wire import _recv_exact as _recv_socket_exact
-from jaxbuf.transfer._transfer import Transfer
+from jaxbuf._interrupts import deferred_interrupts
+from jaxbuf.drivers.base import DriverError
+from jaxbuf.sharing import ImportedBuffer
+from jaxbuf.transfer._blocks import check_block_range
+from jaxbuf.transfer._control import ControlLink
+from jaxbuf.transfer._transfer import Transfer, TransferError
+from jaxbuf.transfer._transport import Link, Operation, Request, Side
+from jaxbuf.transfer._wire import LocalAddress, RemoteLayout
 
-__all__ = ["LocalLink", "LocalServer", "LocalTransfer", "host_identity"]
-
-_log = logging.getLogger(__name__)
-_FRAME = struct.Struct("!cI")
-_MAX_NAME = 256
-_MAX_NOTIFICATION = 1 << 16
-_MAX_QUEUED = 1 << 16  # notifications queued per sender before the oldest are dropped
-#: Seconds the server waits for a peer to take a layout, and a peer for the answer.
-SERVE_TIMEOUT = 30.0
+__all__ = ["LocalTransfer", "SameHostLink", "host_identity", "same_host_refusal"]
 
 
 @functools.cache
@@ -68,374 +41,247 @@ def host_identity() -> tuple[str, int]:
         return file.read().strip(), os.geteuid()
 
 
-def _abstract(address: str) -> str:
-    return "\0" + address
-
-
-def _send_frame(sock: socket.socket, kind: bytes, payload: bytes = b"") -> None:
-    sock.sendall(_FRAME.pack(kind, len(payload)) + payload)
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    """``size`` bytes from ``sock``, within the socket's own timeout."""
-    return _recv_socket_exact(sock, size, _no_deadline)
-
-
-def _no_deadline() -> None:
-    """The socket's timeout (:data:`SERVE_TIMEOUT`) bounds each read: nothing to arm."""
-
-
-class _Client:
-    """One accepted connection: its name (after hello) and the chunk ids it was sent."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.name: str | None = None
-        self.buffer = b""
-        self.sent: set[int] | None = None  # None: nothing sent yet (first answer is whole)
-
-
-class LocalServer:
-    """Serves one buffer's chunks to peers of this uid on this host.
-
-    Invariants: :attr:`_fds` holds one descriptor per chunk published and still mapped,
-    and nothing else (a chunk is dropped, its descriptor closed, in :meth:`unmapping`,
-    before the buffer unmaps it); a peer receives descriptors only of chunks in
-    :attr:`_fds`, and only once per connection; :meth:`close` joins the thread and closes
-    every socket and descriptor. ``publish`` and the listener run on the owner's thread;
-    the server thread only reads the published state, under :attr:`_lock`.
-    """
-
-    def __init__(self, tensor: Any, name: str) -> None:
-        self.tensor, self.name = tensor, name
-        self.address = f"jaxbuf-{os.getpid()}-{secrets.token_hex(8)}"
-        self._lock = threading.Lock()
-        self._layout: dict | None = None  # the last published layout, fds as in _fds
-        self._fds: dict[int, tuple[int, int, int]] = {}  # chunk id -> (offset, size, fd)
-        self._unavailable: str | None = None
-        self._inbox: dict[str, list[bytes]] = {}
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self._wake_r, self._wake_w = socket.socketpair()
-        try:
-            self._listener.bind(_abstract(self.address))
-            self._listener.listen(16)
-            self._listener.setblocking(False)
-            tensor.add_mapping_listener(self)
-        except BaseException:
-            for sock in (self._listener, self._wake_r, self._wake_w):
-                sock.close()
-            raise
-        self._closed = False
-        self._thread = threading.Thread(
-            target=self._serve, name=f"jaxbuf-local-{name}", daemon=True
-        )
-        self._thread.start()
-
-    # -- the owner's thread -------------------------------------------------------------
-    def publish(self) -> bool:
-        """Export the chunks mapped now (new ones only) for peers to import; whether this
-        buffer can be served (a driver that cannot export descriptors cannot: the reason is
-        :attr:`unavailable`)."""
-        previous = self._layout
-        try:
-            layout, fds = export_layout(self.tensor, previous)
-        except Exception as error:  # noqa: BLE001 - a transport choice, reported in the message
-            self._unavailable = f"{type(error).__name__}: {error}"
-            return False
-        self._unavailable = None
-        live = {chunk[2] for chunk in layout["all_chunks"]}
-        with self._lock:
-            stale = [c for c in self._fds if c not in live]
-            dropped = [self._fds.pop(c)[2] for c in stale]
-            for (offset, size, chunk_id), fd in zip(layout["chunks"], fds):
-                self._fds[chunk_id] = (offset, size, fd)
-            layout["chunks"] = []
-            self._layout = layout
-        _close_all(dropped)
-        return True
-
-    @property
-    def unavailable(self) -> str | None:
-        """Why the last :meth:`publish` could not export this buffer, or None."""
-        return self._unavailable
-
-    def mapped(self, chunks: list[tuple[int, int]]) -> None:
-        """New chunks are published by the next :meth:`publish` (the owner's metadata)."""
-
-    def unmapping(self, chunks: list[tuple[int, int]]) -> None:
-        """Stop serving the chunks at these offsets, and what was published with them: a
-        peer asking before the next :meth:`publish` is told to wait for that message."""
-        offsets = {offset for offset, _ in chunks}
-        with self._lock:
-            gone = [c for c, (offset, _, _) in self._fds.items() if offset in offsets]
-            dropped = [self._fds.pop(c)[2] for c in gone]
-            if gone:
-                self._layout = None
-        _close_all(dropped)
-
-    def notifications(self) -> dict[str, list[bytes]]:
-        """Notifications peers sent since the last call, by sender name."""
-        with self._lock:
-            inbox, self._inbox = self._inbox, {}
-        return inbox
-
-    def close(self) -> None:
-        """Stop the thread, close every connection and descriptor. Safe to call twice, and
-        again after an interrupt: each step is done once, and marked done only after."""
-        if self._closed:
-            return
-        if self._thread.is_alive():
-            with contextlib.suppress(OSError):  # the thread closed the socket pair already
-                self._wake_w.send(b"x")
-            self._thread.join()
-        with contextlib.suppress(ValueError):  # detached already: the tensor was freed
-            if not self.tensor.released:
-                self.tensor.remove_mapping_listener(self)
-        with self._lock:
-            while self._fds:  # each descriptor forgotten once closed
-                chunk_id, (_, _, fd) = next(iter(self._fds.items()))
-                os.close(fd)
-                del self._fds[chunk_id]
-            self._layout = None
-        self._closed = True
-
-    # -- the server thread --------------------------------------------------------------
-    def _serve(self) -> None:
-        selector = selectors.DefaultSelector()
-        selector.register(self._listener, selectors.EVENT_READ, None)
-        selector.register(self._wake_r, selectors.EVENT_READ, None)
-        clients: dict[socket.socket, _Client] = {}
-        try:
-            while True:
-                for key, _ in selector.select():
-                    sock = key.fileobj
-                    if sock is self._wake_r:
-                        return
-                    if sock is self._listener:
-                        self._accept(selector, clients)
-                        continue
-                    client = clients[sock]  # type: ignore[index]
-                    try:
-                        self._read(client)
-                    except Exception as error:  # noqa: BLE001 - that peer's connection alone
-                        _log.debug("jaxbuf: dropping same-host peer %s: %r", client.name, error)
-                        selector.unregister(sock)
-                        del clients[sock]  # type: ignore[arg-type]
-                        sock.close()  # type: ignore[union-attr]
-        finally:
-            for sock in clients:
-                sock.close()
-            selector.close()
-            for sock in (self._listener, self._wake_r, self._wake_w):
-                sock.close()
-
-    def _accept(self, selector: selectors.BaseSelector, clients: dict) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
-        if peer_credentials(sock).uid != os.geteuid():
-            sock.close()  # another user: never a descriptor of this memory
-            return
-        sock.setblocking(False)
-        clients[sock] = _Client(sock)
-        selector.register(sock, selectors.EVENT_READ, None)
-
-    def _read(self, client: _Client) -> None:
-        data = client.sock.recv(1 << 16)
-        if not data:
-            raise ConnectionError("closed by the peer")
-        client.buffer += data
-        while len(client.buffer) >= _FRAME.size:
-            kind, size = _FRAME.unpack_from(client.buffer)
-            limit = _MAX_NOTIFICATION if kind == b"N" else _MAX_NAME
-            if size > limit:
-                raise ValueError(f"a {kind!r} frame of {size} bytes is over {limit}")
-            if len(client.buffer) < _FRAME.size + size:
-                return
-            payload = client.buffer[_FRAME.size : _FRAME.size + size]
-            client.buffer = client.buffer[_FRAME.size + size :]
-            self._handle(client, kind, payload)
-
-    def _handle(self, client: _Client, kind: bytes, payload: bytes) -> None:
-        if client.name is None:
-            if kind != b"H":
-                raise ValueError(f"the first frame must be a hello, got {kind!r}")
-            client.name = payload.decode("utf-8")
-            if not client.name:
-                raise ValueError("an empty endpoint name")
-        elif kind == b"N":
-            with self._lock:
-                queue = self._inbox.setdefault(client.name, [])
-                queue.append(payload)
-                del queue[:-_MAX_QUEUED]
-        elif kind == b"L":
-            self._answer_layout(client)
-        else:
-            raise ValueError(f"unknown frame kind {kind!r}")
-
-    def _answer_layout(self, client: _Client) -> None:
-        with self._lock:
-            layout = self._layout
-            if layout is not None:
-                sent = client.sent or set()
-                new = [
-                    (chunk_id, entry)
-                    for chunk_id, entry in self._fds.items()
-                    if chunk_id not in sent
-                ]
-                # Duplicates: the owner's thread may close the originals once the lock is
-                # released; these stay ours until sent.
-                fds = [os.dup(entry[2]) for _, entry in new]
-        sock = client.sock
-        sock.setblocking(True)
-        sock.settimeout(SERVE_TIMEOUT)
-        try:
-            if layout is None:
-                reason = "the owner changed its memory since its last metadata(); wait for the next"
-                _send_frame(sock, b"E", reason.encode())
-                return
-            try:
-                answer = dict(layout)
-                answer["chunks"] = [[o, n, c] for c, (o, n, _) in new]
-                _send_frame(sock, b"L", self.name.encode())
-                send_layout(sock, answer, fds, timeout=SERVE_TIMEOUT)
-            finally:
-                _close_all(fds)
-            client.sent = {chunk[2] for chunk in layout["all_chunks"]}
-        finally:
-            sock.setblocking(False)
-
-
-class LocalLink:
-    """This process's connection to one same-host peer and its buffer mapped here.
-
-    Invariants: :attr:`imported` maps exactly the chunks the peer served at the last
-    :meth:`refresh` (its committed sizes are what those chunks back: facts, not what the
-    peer's message claims); :meth:`close` unmaps it and closes the connection.
-    """
-
-    def __init__(self, address: str, name: str, device: Any, peer_name: str) -> None:
-        self.address, self.peer_name = address, peer_name
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            sock.settimeout(SERVE_TIMEOUT)
-            sock.connect(_abstract(address))
-            if peer_credentials(sock).uid != os.geteuid():
-                raise PermissionError(f"the same-host peer at {address!r} runs as another user")
-            _send_frame(sock, b"H", name.encode())
-        except BaseException:
-            sock.close()
-            raise
-        self._sock = sock
-        self._device = device
-        self.imported: ImportedBuffer | None = None
-
-    def refresh(self) -> ImportedBuffer:
-        """Ask the peer for its chunks now and map the new ones (unmapping those it
-        dropped); the import. ``ValueError`` when it cannot say (it changed since its last
-        message) or sends a layout that does not fit."""
-        sock = self._sock
-        _send_frame(sock, b"L")
-        kind, size = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
-        if kind == b"E":
-            reason = _recv_exact(sock, min(size, _MAX_NAME * 4)).decode("utf-8", "replace")
-            raise ValueError(f"the same-host peer at {self.address!r} refused: {reason}")
-        if kind != b"L" or size > _MAX_NAME * 4:
-            raise ValueError(f"the same-host peer sent a {kind!r} frame, not a layout")
-        served = _recv_exact(sock, size).decode("utf-8", "replace")
-        if served != self.peer_name:
-            raise ValueError(
-                f"the socket at {self.address!r} serves endpoint {served!r}, the metadata names "
-                f"{self.peer_name!r}"
-            )
-        layout, fds = recv_layout(sock, timeout=SERVE_TIMEOUT)
-        if self.imported is None:
-            self.imported = ImportedBuffer(layout, fds, device=self._device)
-        else:
-            self.imported.update(layout, fds)
-        return self.imported
-
-    def notify(self, message: bytes) -> None:
-        _send_frame(self._sock, b"N", message)
-
-    def close(self) -> None:
-        """Unmap the import, then close the connection; an interrupted close is finished by
-        the next call (the import is forgotten only once closed)."""
-        if self.imported is not None:
-            self.imported.close()
-            self.imported = None
-        self._sock.close()
+def same_host_refusal(address: LocalAddress | None) -> str | None:
+    """Why a peer offering ``address`` cannot be reached on this host, or None."""
+    boot_id, uid = host_identity()
+    if address is None:
+        return "its metadata offers no same-host address"
+    if address.boot_id != boot_id:
+        return "it runs on another host (another boot id)"
+    if address.uid != uid:
+        return f"it runs as uid {address.uid}, this process as {uid}"
+    return None
 
 
 class LocalTransfer(Transfer):
     """One copy posted on the same-host transport. On the CPU it is done when posted (no
-    event); on CUDA :meth:`settle` waits for the event recorded after the copies."""
+    event); on CUDA it finishes when the event recorded after the copy has, and its
+    notification is sent then (by whichever :meth:`settle` sees it first)."""
 
-    def __init__(self, driver: Any, event: Any, request: tuple, registration: Any) -> None:
-        self._driver, self._event = driver, event
-        self._request = request
-        self._registration = registration
-        self.error = None
-        self.finished = event is None
-        if not self.finished:
-            registration.track(self)
+    def __init__(
+        self,
+        request: Request,
+        trackers: list[Any],
+        driver: Any,
+        event: Any,
+        link: SameHostLink,
+    ) -> None:
+        super().__init__(request, trackers)
+        self._driver, self._event, self._link = driver, event, link
+        self._notification = request.notification
+        if event is None:
+            self.finished = True
+        else:
+            self._track()
 
     def _release(self) -> None:
         if self._event is not None:
-            self._driver.destroy_event(self._event)
-            self._event = None
+            with deferred_interrupts():
+                self._driver.destroy_event(self._event)
+                self._event = None
+
+    def send_notification(self) -> None:
+        """Send the notification of a finished copy (once)."""
+        message, self._notification = self._notification, b""
+        if message and self.error is None:
+            self._link.notify(message)
 
     def settle(self, timeout: float) -> bool:
-        if self.finished:
-            return True
-        if timeout > 0:
-            # Block in the driver rather than spin: the copy is on the device's queue, and a
-            # device copy always completes (the timeout bounds NIXL's transfers, not these).
+        if not self.finished:
             try:
-                self._driver.event_synchronize(self._event)
+                # Block in the driver rather than spin: the copy is on the device's queue,
+                # and a device copy always completes.
+                if timeout > 0:
+                    self._driver.event_synchronize(self._event)
+                elif not self._driver.event_query(self._event):
+                    return False
             except Exception as error:  # noqa: BLE001 - the transfer's failure, for wait()
                 self._finish(repr(error))
                 return True
             self._finish(None)
-            return True
+        if self._notification:
+            self.send_notification()
+        return True
+
+
+class SameHostLink(Link):
+    """A same-host peer: the control link to its server and its tensors mapped here.
+
+    Invariants: ``imports[t]`` maps exactly the chunks the peer served for tensor ``t`` at
+    the last :meth:`update` (its committed sizes are what those chunks back: facts, never
+    what the peer's message claims), and a request is checked against those; every
+    descriptor received is either mapped, closed, or held by :attr:`control` (closed by
+    :meth:`close`).
+    """
+
+    transport = "local"
+
+    def __init__(
+        self, name: str, sides: list[Side], copier: Any, layouts: list[RemoteLayout]
+    ) -> None:
+        peer = layouts[0].agent
+        address = layouts[0].local
+        assert address is not None  # noqa: S101 - the caller checked same_host_refusal
+        self.peer, self.sides, self.copier = peer, sides, copier
+        self.driver = sides[0].tensor.driver
+        self.device = sides[0].tensor.device
+        self.address = address.address
+        self.control = ControlLink(self.address, name, peer, timeout=30.0)
+        self.imports: list[ImportedBuffer | None] = [None] * len(layouts)
+        self.segments: list[tuple[int, ...]] = []  # per tensor, the import's segments
+        self.starts: list[np.ndarray] = []  # per tensor, each layout segment's address here
+        self.aligned = False
         try:
-            done = self._driver.event_query(self._event)
-        except Exception as error:  # noqa: BLE001 - as above
-            self._finish(repr(error))
-            return True
-        if done:
-            self._finish(None)
-        return done
+            self.update(layouts)
+        except BaseException:
+            self.close()
+            raise
 
+    # -- following the peer -------------------------------------------------------------
+    def update(self, layouts: list[RemoteLayout]) -> None:
+        """Ask the peer for its chunks now and map the new ones (unmapping those it
+        dropped). ``ValueError`` naming the peer when it answers for another publication
+        than ``layouts`` (it changed since: use its newer metadata), names another
+        endpoint, or sends what this process cannot map; ``ConnectionError`` when it is
+        gone."""
+        peer = self.peer
+        address = layouts[0].local
+        if address is None or address.address != self.address:
+            moved = None if address is None else address.address
+            raise ValueError(
+                f"peer {peer!r}'s same-host address changed from {self.address!r} to {moved!r}"
+            )
+        try:
+            answer = self.control.request_layouts()
+        except OSError as error:
+            raise ConnectionError(f"same-host peer {peer!r} is unreachable: {error}") from error
+        try:
+            if answer.name != peer:
+                raise ValueError(
+                    f"the socket at {self.address!r} serves endpoint {answer.name!r}, the "
+                    f"metadata names {peer!r}"
+                )
+            if answer.epoch != layouts[0].epoch or len(answer.tensors) != len(layouts):
+                raise ValueError(
+                    f"peer {peer!r} serves its publication {answer.epoch} of "
+                    f"{len(answer.tensors)} tensor(s), not the metadata's {layouts[0].epoch} "
+                    f"of {len(layouts)}: it changed since; connect with its newer metadata"
+                )
+            for index, (layout, fds) in enumerate(answer.tensors):
+                self._import(index, layout, fds)
+        finally:
+            for _, fds in answer.tensors:
+                self.control.release(fds)  # what was not handed over
+        self.segments = [self._segments(index, layout) for index, layout in enumerate(layouts)]
+        self.starts = [
+            np.array([self.imports[index].base_ptr + o for o in layout.segment_offsets], np.int64)  # type: ignore[union-attr]
+            for index, layout in enumerate(layouts)
+        ]
+        # Whether every block on both sides is 8-byte aligned (the copy kernel's int64
+        # moves): known once here, so a transfer checks no address.
+        addresses = [int(a) for starts in self.starts for a in starts]
+        addresses += [a for side in self.sides for a in (*side.starts, side.block_bytes)]
+        self.aligned = not any(a % 8 for a in addresses)
 
-def copy_triples(
-    local_starts: list[int],
-    remote_starts: list[int],
-    block_bytes: int,
-    segments: list[int],
-    local_blocks: np.ndarray,
-    remote_blocks: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(local addresses, remote addresses, sizes)`` of the copies moving block
-    ``local_blocks[i]`` <-> ``remote_blocks[i]`` of every chosen segment (``*_starts``: each
-    layout segment's address on that side), uint64. Adjacent blocks are not merged: the
-    kernel cuts every copy into pieces anyway, and a ``memcpy`` of one run costs what the
-    ``memcpy`` of its blocks does; each numpy call costs microseconds on this path."""
-    if len(local_blocks) == 1 and len(segments) == 1:  # the common small transfer
-        s = segments[0]
+    def _import(self, index: int, layout: dict, fds: list[int]) -> None:
+        """Map tensor ``index``'s chunks (the descriptors handed over, closed in every
+        case); what the driver refuses is the peer's fault, named as such."""
+        try:
+            with deferred_interrupts():  # the import and its record: one step
+                handed = self.control.handover(fds)
+                if self.imports[index] is None:
+                    self.imports[index] = ImportedBuffer(layout, handed, device=self.device)
+                else:
+                    self.imports[index].update(layout, handed)  # type: ignore[union-attr]
+        except DriverError as error:
+            raise ValueError(
+                f"same-host peer {self.peer!r} sent tensor {index}'s chunks as descriptors "
+                f"this process cannot map: {error}"
+            ) from error
+        except ValueError as error:
+            raise ValueError(f"same-host peer {self.peer!r}, tensor {index}: {error}") from error
+
+    def _segments(self, index: int, layout: RemoteLayout) -> tuple[int, ...]:
+        """The segments of tensor ``index``'s import that the peer's layout names (by
+        offset and capacity); ValueError when the import and the message disagree."""
+        imported = self.imports[index]
+        assert imported is not None  # noqa: S101 - mapped by update
+        where = {
+            (offset, capacity): segment
+            for segment, (offset, capacity) in enumerate(
+                zip(imported.segment_offsets, imported.segment_capacities)
+            )
+        }
+        segments = []
+        for offset, capacity in zip(layout.segment_offsets, layout.segment_capacities):
+            segment = where.get((offset, capacity))
+            if segment is None:
+                raise ValueError(
+                    f"peer {layout.agent!r}'s served tensor {index} has no segment at offset "
+                    f"{offset} of {capacity} bytes, which its metadata names"
+                )
+            segments.append(segment)
+        return tuple(segments)
+
+    # -- transfers ----------------------------------------------------------------------
+    def post(self, request: Request, trackers: list[Any]) -> LocalTransfer:
+        """Check every tensor's blocks against what is mapped here, then one copy of the
+        whole request; the notification goes once the copy is done."""
+        for index, positions in enumerate(request.positions):
+            imported = self.imports[index]
+            assert imported is not None  # noqa: S101 - mapped by update
+            committed = imported.committed_sizes
+            segments = self.segments[index]
+            block_bytes = self.sides[index].block_bytes
+            limit = min(committed[segments[p]] for p in positions) // block_bytes
+            check_block_range(request.remote, limit, self.peer, block_bytes)
+        here, there, sizes = self._triples(request)
+        writing = request.operation is Operation.WRITE
+        destinations, sources = (there, here) if writing else (here, there)
+        try:
+            event = self.copier.copy(destinations, sources, sizes, aligned=self.aligned)
+        except Exception as error:  # a driver failure of the copy, named with the request
+            raise TransferError(f"{request.words()} failed: {error}") from error
+        transfer = LocalTransfer(request, trackers, self.driver, event, self)
+        if transfer.finished:
+            transfer.send_notification()
+        return transfer
+
+    def _triples(self, request: Request) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(addresses here, addresses there, sizes)`` of every block pair in every chosen
+        segment of every tensor, uint64. Adjacent blocks are not merged: the kernel cuts
+        every copy into pieces anyway, and a ``memcpy`` of a run costs what the ``memcpy``
+        of its blocks does."""
+        local_starts, remote_starts, block_sizes = [], [], []
+        for side, starts, positions in zip(self.sides, self.starts, request.positions):
+            for p in positions:
+                local_starts.append(side.starts[p])
+                remote_starts.append(int(starts[p]))
+                block_sizes.append(side.block_bytes)
+        sizes = np.array(block_sizes, np.int64)[:, None]
+        here = np.array(local_starts, np.int64)[:, None] + request.local[None, :] * sizes
+        there = np.array(remote_starts, np.int64)[:, None] + request.remote[None, :] * sizes
+        count = here.size
+        # Addresses and offsets are below 2**63 (checked when a peer's layout is decoded).
         return (
-            np.array([local_starts[s] + int(local_blocks[0]) * block_bytes], np.uint64),
-            np.array([remote_starts[s] + int(remote_blocks[0]) * block_bytes], np.uint64),
-            np.array([block_bytes], np.uint64),
+            here.reshape(count).view(np.uint64),
+            there.reshape(count).view(np.uint64),
+            np.broadcast_to(sizes, here.shape).reshape(count).astype(np.uint64),
         )
-    local_offsets = local_blocks * block_bytes
-    remote_offsets = remote_blocks * block_bytes
-    if len(segments) == 1:
-        here = local_offsets + local_starts[segments[0]]
-        there = remote_offsets + remote_starts[segments[0]]
-    else:
-        here = np.concatenate([local_offsets + local_starts[s] for s in segments])
-        there = np.concatenate([remote_offsets + remote_starts[s] for s in segments])
-    # Addresses and offsets are below 2**63 (checked when a peer's layout is decoded).
-    return here.view(np.uint64), there.view(np.uint64), np.full(len(here), block_bytes, np.uint64)
+
+    def notify(self, message: bytes) -> None:
+        try:
+            self.control.notify(message)
+        except OSError as error:
+            raise ConnectionError(
+                f"same-host peer {self.peer!r} is unreachable: {error}"
+            ) from error
+
+    def close(self) -> None:
+        """Unmap every import, then close the connection; each import is forgotten only
+        once closed, so an interrupted close is finished by the next call."""
+        for index, imported in enumerate(self.imports):
+            if imported is not None:
+                imported.close()
+                self.imports[index] = None
+        self.control.close()

@@ -1,6 +1,6 @@
 """The metadata message peers exchange: a KV cache's layout, its registrations and growth.
 
-Protocol 2, every integer of the header in network order, every array little-endian::
+Protocol 3, every integer of the header in network order, every array little-endian::
 
     b"JXKV"  protocol (u32)  layout bytes (u32)  segment count (u32)  registration count (u32)
     layout: UTF-8 JSON object of scalar fields, at most 16 KiB
@@ -8,9 +8,11 @@ Protocol 2, every integer of the header in network order, every array little-end
     registrations: count x [offset, nbytes] as uint64
     NIXL agent metadata: the rest (opaque to jaxbuf; empty for an endpoint without NIXL)
 
-The layout names the owner's ``agent``, an ``epoch`` (the layout's version: a later layout of
-the owner has a greater one, and one whose registrations or committed sizes changed always
-does, growth inside a mapped chunk included), the
+The layout names the owner's ``agent``, its ``instance`` (32 hex digits drawn when the
+endpoint was made: a peer restarted under the same name has another), an ``epoch`` (the
+layout's version: a later layout of the owner has a greater one, and one whose
+registrations or committed sizes changed always does, growth inside a mapped chunk
+included), the
 ``mem_type`` and ``device_id``, the reservation (``base`` address, ``capacity`` bytes), the
 ``block_bytes``, and optionally ``local``: how a process on the same host reaches the owner
 (:class:`LocalAddress`). Segment and registration offsets are from ``base``.
@@ -25,7 +27,8 @@ message raises ``ValueError`` naming the field; nothing it says can make a trans
 memory its owner registered. Decoding costs about the message (at most twice it while
 validating) plus ~150 bytes a segment: the JSON part is bounded, the arrays are read with
 ``numpy.frombuffer`` and the registrations kept packed (:class:`Ranges`). Protocol 1
-(segments as JSON lists, whose decoding cost ~16 times the message) is refused.
+(segments as JSON lists, whose decoding cost ~16 times the message) and protocol 2 (no
+``instance``) are refused.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ __all__ = ["PROTOCOL", "LocalAddress", "Ranges", "RemoteLayout", "check_update",
 _MAGIC = b"JXKV"
 _PREFIX = struct.Struct("!4sI")  # magic, protocol version: what every protocol shares
 _HEADER = struct.Struct("!4sIIII")  # magic, protocol, layout bytes, segments, registrations
-PROTOCOL = 2
+PROTOCOL = 3
 #: Every segment starts at a multiple of this (jaxbuf.extensible.SEGMENT_ALIGNMENT).
 _SEGMENT_ALIGNMENT = 256
 _MAX_MESSAGE = 1 << 30
@@ -57,9 +60,19 @@ _MAX_ADDRESS = 100  # an abstract AF_UNIX name: "\0" + address fits sun_path (10
 _INT64_MAX = (1 << 63) - 1
 _UID_MAX = (1 << 32) - 2  # (uid_t)-1 means "no uid"
 _MEM_TYPES = ("DRAM", "VRAM")
-_SCALARS = ("agent", "epoch", "mem_type", "device_id", "base", "capacity", "block_bytes")
+_SCALARS = (
+    "agent",
+    "instance",
+    "epoch",
+    "mem_type",
+    "device_id",
+    "base",
+    "capacity",
+    "block_bytes",
+)
 _FIELDS = frozenset((*_SCALARS, "local"))
-_BOOT_ID = re.compile(r"[0-9a-f-]{36}")  # a UUID as the kernel prints it: hex and dashes
+_BOOT_ID = re.compile(r"[0-9a-f-]{36}")
+_INSTANCE = re.compile(r"[0-9a-f]{32}")  # a UUID as the kernel prints it: hex and dashes
 _LOCAL_FIELDS = ("boot_id", "uid", "address")
 
 
@@ -165,6 +178,7 @@ class RemoteLayout:
     ``registrations`` may be given as any sequence of pairs; it is held as :class:`Ranges`."""
 
     agent: str
+    instance: str
     epoch: int
     mem_type: str
     device_id: int
@@ -281,11 +295,16 @@ def decode(message: Any, previous: RemoteLayout | None = None) -> RemoteLayout:
         raise ValueError("the metadata layout must be a JSON object")
     unknown = set(body) - _FIELDS
     if unknown:
-        raise ValueError(f"metadata fields {sorted(unknown)!r:.200} are not of protocol 2")
+        raise ValueError(f"metadata fields {sorted(unknown)!r:.200} are not of protocol {PROTOCOL}")
 
     agent = body.get("agent")
     if type(agent) is not str or not 0 < len(agent) <= _MAX_NAME:
         raise ValueError(f"metadata field 'agent' must be a non-empty name, got {agent!r:.300}")
+    instance = body.get("instance")
+    if type(instance) is not str or not _INSTANCE.fullmatch(instance):
+        raise ValueError(
+            f"metadata field 'instance' must be 32 lowercase hex digits, got {instance!r:.80}"
+        )
     mem_type = body.get("mem_type")
     if mem_type not in _MEM_TYPES or type(mem_type) is not str:
         raise ValueError(
@@ -310,6 +329,7 @@ def decode(message: Any, previous: RemoteLayout | None = None) -> RemoteLayout:
     offsets, capacities, committed = segments.T.tolist()
     layout = RemoteLayout(
         agent=agent,
+        instance=instance,
         epoch=epoch,
         mem_type=mem_type,
         device_id=device_id,
@@ -387,10 +407,16 @@ def _check_registrations(registrations: np.ndarray, capacity: int) -> None:
 
 def check_update(previous: RemoteLayout, layout: RemoteLayout) -> None:
     """ValueError unless ``layout`` may follow ``previous``, the last accepted layout of the
-    same peer: the same agent, a newer epoch, the same reservation and segments."""
+    same peer instance: the same agent, a newer epoch, the same reservation and segments.
+    (A layout of another instance is a restarted peer: the endpoint decides, not this.)"""
     if layout.agent != previous.agent:
         raise ValueError(
             f"metadata from agent {layout.agent!r} cannot update peer {previous.agent!r}"
+        )
+    if layout.instance != previous.instance:
+        raise ValueError(
+            f"metadata from {layout.agent!r} is of another instance (restarted): it replaces "
+            "the peer, it does not update it"
         )
     if layout.epoch <= previous.epoch:
         raise ValueError(

@@ -1,0 +1,274 @@
+"""The same-host control plane: one listening socket per endpoint, serving every tensor the
+endpoint publishes, and the initiator's link to it.
+
+Frames, both ways: a 13-byte header (the kind, one byte of :class:`Frame`; a request id,
+u64; the payload's length, u32; network order), then the payload.
+
+============  =========  ============================================================
+frame         direction  payload
+============  =========  ============================================================
+``HELLO``     to owner   the sender's endpoint name; the first frame, id 0
+``LAYOUT``    to owner   empty, with a fresh id: "the chunks of every tensor you
+                         published last"
+``NOTIFY``    to owner   a notification (at most 64 KiB), id 0
+``LAYOUT``    to peer    the request's id; epoch (u64), tensor count (u32), the owner's
+                         endpoint name; then one :mod:`jaxbuf.sharing` message per
+                         tensor, its descriptors attached
+``ERROR``     to peer    the request's id; why the owner cannot answer (UTF-8)
+============  =========  ============================================================
+
+The owner's side is :class:`~jaxbuf.transfer._control_server.ControlServer`.
+
+The initiator's side (:class:`ControlLink`) is thread-safe (one exchange at a time), and an
+exchange cut short by anything (an error, a timeout, an interrupt) closes the connection,
+so the next exchange starts on a new one: no answer left on the old one is ever read as
+the answer to a later request. Ids check the same thing on the wire. Every descriptor is
+recorded the instant it is received (:func:`jaxbuf.sharing._wire.recv_layout`'s ``held``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from jaxbuf._interrupts import deferred_interrupts
+from jaxbuf.sharing._wire import (
+    _close_all,
+    _recv_exact,
+    connect_abstract,
+    recv_layout,
+)
+
+__all__ = ["ControlLink", "Frame", "Inbox", "Limits", "ServedAnswer", "frame"]
+
+FRAME_HEADER = struct.Struct("!cQI")  # kind, request id, payload length
+ANSWER_HEADER = struct.Struct("!QI")  # epoch, tensor count (then the owner's name)
+MAX_NAME = 256
+MAX_NOTIFICATION = 1 << 16
+_MAX_REASON = 4096
+
+
+class Frame(bytes, enum.Enum):
+    """The kinds of frame on a control connection (see the module docstring)."""
+
+    HELLO = b"H"
+    LAYOUT = b"L"
+    NOTIFY = b"N"
+    ERROR = b"E"
+
+
+def frame(kind: Frame, request_id: int = 0, payload: bytes = b"") -> bytes:
+    """One frame's bytes."""
+    return FRAME_HEADER.pack(kind.value, request_id, len(payload)) + payload
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one peer may cost the owner's control thread.
+
+    ``output_deadline``: seconds an answer may wait for the peer to read it before the
+    connection is dropped. ``hello_deadline``: seconds a new connection has to say who it
+    is. ``max_connections``: connections kept at once (more are closed as accepted).
+    ``queued_notifications``: notifications kept per sender before the oldest are dropped.
+    ``io_timeout``: seconds the initiator waits for an answer, or to send a frame."""
+
+    output_deadline: float = 5.0
+    hello_deadline: float = 10.0
+    max_connections: int = 1024
+    queued_notifications: int = 1 << 16
+    io_timeout: float = 30.0
+
+
+class Inbox:
+    """Notifications by sender, filled by the control thread (and NIXL's poll) and taken by
+    the endpoint's waits; one lock, and a condition that wakes a waiter when one arrives.
+    Nothing is moved between containers on its way out, so an interrupt never loses one."""
+
+    def __init__(self, per_sender: int) -> None:
+        self._queues: dict[str, collections.deque[bytes]] = {}
+        self._per_sender = per_sender
+        self.changed = threading.Condition()
+
+    def put(self, sender: str, messages: list[bytes]) -> None:
+        with self.changed:
+            queue = self._queues.get(sender)
+            if queue is None:
+                queue = self._queues[sender] = collections.deque(maxlen=self._per_sender)
+            queue.extend(messages)
+            self.changed.notify_all()
+
+    def _take(self, sender: str, message: bytes) -> bool:
+        """Remove the oldest ``message`` from ``sender`` (the caller holds the lock)."""
+        queue = self._queues.get(sender)
+        if not queue:
+            return False
+        try:
+            queue.remove(message)
+        except ValueError:
+            return False
+        return True
+
+    def wait_for(self, sender: str, message: bytes, timeout: float, poll: Any = None) -> bool:
+        """Take ``message`` from ``sender`` once it is here, waiting up to ``timeout``
+        seconds (calling ``poll()`` first each round, every millisecond at most, for a
+        source that does not wake the condition); whether it came. An interrupt as it is
+        taken puts it back."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                if poll is not None:
+                    poll()
+                taken = False
+                try:
+                    with deferred_interrupts():
+                        taken = self._take(sender, message)
+                    if taken:
+                        return True
+                except BaseException:
+                    if taken:
+                        self._queues[sender].appendleft(message)
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.changed.wait(min(left, 1e-3) if poll is not None else left)
+
+    def drain(self) -> dict[str, list[bytes]]:
+        """Everything queued, by sender, and forget it."""
+        with deferred_interrupts(), self.changed:
+            drained = {sender: list(queue) for sender, queue in self._queues.items() if queue}
+            self._queues.clear()
+        return drained
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until something arrives or ``timeout`` seconds pass."""
+        with self.changed:
+            self.changed.wait(timeout)
+
+
+@dataclass
+class ServedAnswer:
+    """What a peer's control server answered: the publication's ``epoch``, the owner's
+    endpoint ``name``, and per tensor ``(layout, fds)`` (the fds are the caller's)."""
+
+    epoch: int
+    name: str
+    tensors: list[tuple[dict, list[int]]]
+
+
+class ControlLink:
+    """This process's connection to one peer's :class:`ControlServer`.
+
+    Thread-safe: one exchange at a time, so frames never interleave. An exchange cut short
+    (an error, a timeout, an interrupt) closes the connection; the next one opens a new
+    connection (the server then answers with every chunk again). Descriptors received are
+    recorded in :attr:`held` at once, and leave it only when handed over (:meth:`handover`)
+    or closed.
+    """
+
+    def __init__(self, address: str, name: str, peer_name: str, timeout: float) -> None:
+        self.address, self.name, self.peer_name, self.timeout = address, name, peer_name, timeout
+        self.held: list[int] = []
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._next_id = 1
+
+    def _connected(self) -> socket.socket:
+        if self._sock is None:
+            with deferred_interrupts():  # the socket and its record: one step
+                self._sock = sock = socket.socket(
+                    socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC
+                )
+            connect_abstract(self.address, timeout=self.timeout, sock=sock)
+            sock.sendall(frame(Frame.HELLO, 0, self.name.encode()))
+        return self._sock
+
+    def _disconnect(self) -> None:
+        with deferred_interrupts():
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                sock.close()
+            fds, self.held[:] = list(self.held), []
+            _close_all(fds)
+
+    @contextlib.contextmanager
+    def _exchange(self) -> Any:
+        with self._lock:
+            try:
+                yield self._connected()
+            except BaseException:
+                self._disconnect()
+                raise
+
+    def request_layouts(self) -> ServedAnswer:
+        """Ask for every tensor's chunks; the answer (its descriptors stay in :attr:`held`
+        until :meth:`handover`). ``ValueError`` when the owner refuses or answers out of
+        protocol; ``ConnectionError``/``TimeoutError`` when it is gone or silent."""
+        with self._exchange() as sock:
+            request_id = self._next_id
+            self._next_id += 1
+            sock.sendall(frame(Frame.LAYOUT, request_id))
+            while True:
+                kind, answered, payload = self._recv_frame(sock)
+                if kind == Frame.ERROR.value:
+                    if answered != request_id:
+                        continue  # an earlier request's refusal
+                    reason = payload.decode("utf-8", "replace")
+                    raise ValueError(f"the same-host peer {self.peer_name!r} refused: {reason}")
+                if kind != Frame.LAYOUT.value or len(payload) < ANSWER_HEADER.size:
+                    raise ValueError(
+                        f"the same-host peer {self.peer_name!r} sent a {kind!r} frame, not a layout"
+                    )
+                epoch, count = ANSWER_HEADER.unpack_from(payload)
+                tensors = [
+                    recv_layout(sock, timeout=self.timeout, held=self.held) for _ in range(count)
+                ]
+                if answered == request_id:
+                    served = payload[ANSWER_HEADER.size :].decode("utf-8", "replace")
+                    return ServedAnswer(epoch, served, tensors)
+                # The answer to an earlier request: never this one's.
+                for _, fds in tensors:
+                    self.release(fds)
+
+    def _recv_frame(self, sock: socket.socket) -> tuple[bytes, int, bytes]:
+        sock.settimeout(self.timeout)
+        kind, request_id, size = FRAME_HEADER.unpack(
+            _recv_exact(sock, FRAME_HEADER.size, _no_deadline)
+        )
+        if size > _MAX_REASON:
+            raise ValueError(f"the same-host peer {self.peer_name!r} sent a frame of {size} bytes")
+        return kind, request_id, _recv_exact(sock, size, _no_deadline)
+
+    def handover(self, fds: list[int]) -> list[int]:
+        """Take ``fds`` out of :attr:`held` for a callee that closes them in every case;
+        call it and the callee in one ``deferred_interrupts`` block."""
+        taken = set(fds)
+        self.held[:] = [fd for fd in self.held if fd not in taken]
+        return fds
+
+    def release(self, fds: list[int]) -> None:
+        """Close those of ``fds`` still held (received, not handed over) and forget them."""
+        with deferred_interrupts():
+            held = set(self.held)
+            _close_all(self.handover([fd for fd in fds if fd in held]))
+
+    def notify(self, message: bytes) -> None:
+        """Send one notification (whole, never interleaved with another thread's)."""
+        with self._exchange() as sock:
+            sock.sendall(frame(Frame.NOTIFY, 0, message))
+
+    def close(self) -> None:
+        """Close the connection and every descriptor still held. Safe to call twice."""
+        with self._lock:
+            self._disconnect()
+
+
+def _no_deadline() -> None:
+    """The socket's own timeout bounds each read: nothing to arm."""
