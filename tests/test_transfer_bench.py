@@ -240,7 +240,7 @@ def _one(rows, name_end, baseline_start=""):
 def test_kv_cache_transfer_rows_are_well_formed(kv_cache_rows):
     sizes, rows = kv_cache_rows
     assert len(sizes) == 1 and "two processes" in sizes[0] and "8 layers" in sizes[0]
-    assert len(rows) == 9
+    assert len(rows) == 10  # with the CPU's reference: one contiguous memcpy
     moved = 8 * 2 * 32 * _KV_BLOCK
     floor = _one(rows, ": floor")
     assert floor.median_s > 0 and floor.baseline_name == ""
@@ -249,6 +249,7 @@ def test_kv_cache_transfer_rows_are_well_formed(kv_cache_rows):
     transfers = [row for row in rows if row.params.get("phase") is None and row is not floor]
     transfers = [row for row in transfers if "process" not in row.params]
     assert [row.params["subject"] for row in transfers] == [
+        "same-host transport",
         "same-host transport",
         "same-host transport",
         "NIXL over jaxbuf memory",
@@ -261,6 +262,8 @@ def test_kv_cache_transfer_rows_are_well_formed(kv_cache_rows):
         assert row.median_s > 0 and row.baseline_median_s > 0, row
         assert row.ratio == pytest.approx(row.median_s / row.baseline_median_s)
         assert params["gbps"] == pytest.approx(moved / row.median_s / 1e9)
+        if row.baseline_name.startswith("floor, contiguous:"):
+            assert "np.copyto" in row.baseline_name and not row.target
         if row.baseline_name.startswith("floor:"):
             assert row.baseline_median_s == floor.median_s
             # Bytes between two processes do not move many times faster than one process's
@@ -409,7 +412,7 @@ def test_kv_cache_without_nixl_in_the_processes_measures_the_rest(tmp_path, monk
         if isinstance(item, Row)
     ]
     assert _peer_processes() == []
-    assert len(rows) == 9
+    assert len(rows) == 10
     for row in rows:
         nixl_subject = row.params["subject"].startswith("NIXL")
         if nixl_subject or row.baseline_name.startswith("NIXL"):
