@@ -453,8 +453,8 @@ def _reregistering_grow(
         whole.free()
 
 
-#: The cache of ``transfer.kv_cache``: a model's layers, and a block of 16 tokens x 8 KV
-#: heads x 128 dims in bf16 per segment (K, V).
+#: The shape of ``transfer.kv_cache``: a model's layers, a 2,048-token request's blocks, and
+#: a block of 16 tokens x 8 KV heads x 128 dims in bf16 per segment (K, V).
 _KV_LAYERS, _KV_BLOCKS = 32, 128
 _KV_BLOCK_BYTES = 16 * 8 * 128 * 2
 _KV_TOKENS_PER_BLOCK = 16
