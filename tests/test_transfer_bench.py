@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxbuf.bench import load_suites
+from jaxbuf.bench import Row, load_suites
 from jaxbuf.devices import Device
 
 transfer = pytest.importorskip("jaxbuf.transfer")
@@ -215,3 +215,209 @@ def test_rows_without_the_same_host_transport_keep_its_rows_with_the_reason():
     plain = next(row for row in rows if row.params["subject"].startswith("NIXL over plain"))
     assert plain.params["gbps"] == pytest.approx((64 << 20) / 1.5e-3 / 1e9)
     assert plain.ratio == pytest.approx(1.5)
+
+
+# -- transfer.kv_cache: a cache shaped like a model -------------------------------------------
+
+_KV_BLOCK = 16 * 8 * 128 * 2  # 16 tokens x 8 KV heads x 128 dims, bf16: one block, one segment
+
+
+@pytest.fixture(scope="module")
+def kv_cache_rows():
+    return _run("transfer.kv_cache")  # quick: 8 layers, 32 blocks
+
+
+def _one(rows, name_end, baseline_start=""):
+    found = [
+        row
+        for row in rows
+        if row.name.endswith(name_end) and row.baseline_name.startswith(baseline_start)
+    ]
+    assert len(found) == 1, (name_end, baseline_start, [row.name for row in rows])
+    return found[0]
+
+
+def test_kv_cache_transfer_rows_are_well_formed(kv_cache_rows):
+    sizes, rows = kv_cache_rows
+    assert len(sizes) == 1 and "two processes" in sizes[0] and "8 layers" in sizes[0]
+    assert len(rows) == 10  # with the CPU's reference: one contiguous memcpy
+    moved = 8 * 2 * 32 * _KV_BLOCK
+    floor = _one(rows, ": floor")
+    assert floor.median_s > 0 and floor.baseline_name == ""
+    assert "copy_batch" in floor.params["transport"]  # the CPU driver's copy, scattered blocks
+    assert floor.params["gbps"] == pytest.approx(moved / floor.median_s / 1e9)
+    transfers = [row for row in rows if row.params.get("phase") is None and row is not floor]
+    transfers = [row for row in transfers if "process" not in row.params]
+    assert [row.params["subject"] for row in transfers] == [
+        "same-host transport",
+        "same-host transport",
+        "same-host transport",
+        "NIXL over jaxbuf memory",
+        "NIXL over plain per-layer buffers",
+    ]
+    for row in transfers:
+        params = row.params
+        assert params["layers"] == 8 and params["blocks"] == 32 and params["bytes"] == moved
+        assert params["processes"] == 2 and params["prefill_device"] == "cpu", row
+        assert row.median_s > 0 and row.baseline_median_s > 0, row
+        assert row.ratio == pytest.approx(row.median_s / row.baseline_median_s)
+        assert params["gbps"] == pytest.approx(moved / row.median_s / 1e9)
+        if row.baseline_name.startswith("floor, contiguous:"):
+            assert "np.copyto" in row.baseline_name and not row.target
+        if row.baseline_name.startswith("floor:"):
+            assert row.baseline_median_s == floor.median_s
+            # Bytes between two processes do not move many times faster than one process's
+            # own copy of them (a faster row moved less than it says); the bound is loose,
+            # as a busy 2-core host preempts a quick run's copies for whole time slices.
+            assert row.ratio > 0.02, row
+        expected = "same-host transport (peer" if "same-host" in row.name else "NIXL, UCX"
+        assert params["transport"].startswith(expected), row
+        low, high = row.spread  # the paired rounds' ratios
+        assert 0 < low <= high, row
+
+
+def test_kv_cache_post_connect_and_targets_are_stated(kv_cache_rows):
+    _, rows = kv_cache_rows
+    local = _one(rows, "x 8 layers: same-host transport", "floor:")
+    plain = _one(rows, "x 8 layers: NIXL over plain per-layer buffers", "floor:")
+    post = _one(rows, "post: same-host transport")
+    # Each round's post is part of that round's transfer, so its median is at most the whole.
+    assert 0 < post.median_s <= local.median_s
+    assert 0 < post.baseline_median_s <= plain.median_s
+    connect = _one(rows, "connect 8 layers: same-host transport")
+    assert 0 < connect.median_s < 60 and 0 < connect.baseline_median_s < 60
+    assert local.target.startswith("<= 1.25x") and local.limit == pytest.approx(1.25)
+    against_plain = _one(rows, "layers: same-host transport", "NIXL over plain per-layer")
+    assert not against_plain.target and not post.target  # GPU targets, not stated on the CPU
+
+
+def test_kv_cache_counts_threads_and_descriptors_of_each_process(kv_cache_rows):
+    _, rows = kv_cache_rows
+    counted = [row for row in rows if "process" in row.params]
+    assert [row.params["process"] for row in counted] == ["prefill", "decode"]
+    for row in counted:
+        params = row.params
+        assert row.median_s is None and row.value.startswith(f"{params['threads']} thread")
+        assert 1 <= params["threads_before"] <= params["threads"]
+        assert params["threads_with_nixl"] >= 1
+        assert 3 <= params["descriptors_before"] <= params["descriptors"]
+        assert row.target == "<= 4 threads" and row.met in (True, False)
+        assert row.not_judged_reason == "quick sizes"  # judged at 32 layers, not 8
+
+
+_COUNTS_CHILD = """
+import os, threading
+from jaxbuf.bench._transfer_peer import process_counts
+before = process_counts()
+started, stop = threading.Event(), threading.Event()
+thread = threading.Thread(target=lambda: (started.set(), stop.wait()))
+thread.start()
+started.wait()
+read, write = os.pipe()
+during = process_counts()
+stop.set()
+thread.join()
+os.close(read)
+os.close(write)
+print(before, during, process_counts())
+"""
+
+
+def test_process_counts_follows_the_process():
+    """One more thread and two more descriptors are counted as such, and gone once closed
+    (in a fresh interpreter, where no other test's threads come and go)."""
+    import ast
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _COUNTS_CHILD], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    before, during, after = ast.literal_eval(out.stdout.strip().replace("} {", "}, {"))
+    assert before["threads"] >= 1 and before["descriptors"] >= 3
+    assert during == {"threads": before["threads"] + 1, "descriptors": before["descriptors"] + 2}
+    assert after == before
+
+
+def test_request_blocks_are_scattered_on_both_sides():
+    import numpy as np
+
+    from jaxbuf.bench._transfer_peer import _request_blocks
+
+    for count, capacity in ((1, 2), (8, 16), (128, 256), (30, 101)):
+        for blocks in _request_blocks(np, count, capacity):
+            assert len(blocks) == count == len(set(blocks.tolist()))
+            assert blocks.min() >= 0 and blocks.max() < capacity
+            ordered = np.sort(blocks)
+            assert (np.diff(ordered) >= 2).all()  # no two adjacent: no run to merge
+    with pytest.raises(ValueError, match="capacity of 16, got 15"):
+        _request_blocks(np, 8, 15)
+
+
+def test_kv_cache_rows_without_nixl_keep_its_rows_with_the_reason():
+    """Where NIXL does not import, its rows stay, with no figure and the reason, and the
+    same-host transport is still measured against the floor and judged."""
+    from jaxbuf.bench.transfer import _kv_cache_rows
+
+    reason = "not measured: NIXL is not importable (nixl: No module named 'nixl')"
+    params = {"layers": 2, "blocks": 4, "bytes": 2 * 2 * 4 * _KV_BLOCK, "processes": 2}
+    counts = {"threads": 2, "descriptors": 9}
+    setup = {
+        "local": {"error": None, "connect_s": 1e-3, "transport": "local"},
+        "nixl": {"error": reason, "connect_s": None, "transport": None},
+        "counts": {
+            role: {
+                "before": {"threads": 1, "descriptors": 4},
+                "with the same-host endpoint": counts,
+            }
+            for role in ("prefill", "decode")
+        },
+    }
+    result = {
+        "medians": {"floor": 1e-3, "local": 1.1e-3},
+        "samples": {"floor": [1e-3] * 3, "local": [1.1e-3] * 3},
+        "slow": [],
+        "posts": {"local": 1e-3},
+        "transports": {"floor": "copy_batch", "local": "same-host transport"},
+        "rounds": 3,
+    }
+    finals = {"prefill": counts, "decode": counts}
+    rows = _kv_cache_rows(Device("cpu"), params, setup, result, finals)
+    assert len(rows) == 9
+    local = _one(rows, ": same-host transport", "floor:")
+    assert local.ratio == pytest.approx(1.1) and local.judged is True
+    for row in rows:
+        if row.params["subject"].startswith("NIXL") or row.baseline_name.startswith("NIXL"):
+            assert reason in row.notes, row
+        if row.params["subject"].startswith("NIXL"):
+            assert row.median_s is None and row.judged is None, row
+    assert _one(rows, "post: same-host transport").baseline_median_s is None
+    assert _one(rows, "connect 2 layers: same-host transport").baseline_median_s is None
+
+
+def test_kv_cache_without_nixl_in_the_processes_measures_the_rest(tmp_path, monkeypatch):
+    """Two real processes where NIXL does not import: the NIXL rows say why, the same-host
+    transport and the floor are measured, and both processes end."""
+    from jaxbuf.bench.transfer import kv_cache_rows
+
+    for module in ("nixl", "nixl_cu12", "nixl_cu13"):
+        (tmp_path / module).mkdir()
+        (tmp_path / module / "__init__.py").write_text("raise ImportError('blocked here')\n")
+    paths = [str(tmp_path), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
+    rows = [
+        item
+        for item in kv_cache_rows(Device("cpu"), layers=2, blocks=4, quick=True)
+        if isinstance(item, Row)
+    ]
+    assert _peer_processes() == []
+    assert len(rows) == 10
+    for row in rows:
+        nixl_subject = row.params["subject"].startswith("NIXL")
+        if nixl_subject or row.baseline_name.startswith("NIXL"):
+            assert "NIXL is not importable" in row.notes and "blocked here" in row.notes, row
+        if nixl_subject:
+            assert row.median_s is None, row
+        elif row.params.get("process") is None:
+            assert row.median_s > 0, row
