@@ -375,6 +375,55 @@ def test_copy_batch_of_64_mib_in_one_copy(driver, path):
     assert np.array_equal(target, source)
 
 
+STREAMED = 40 << 20  # over the C copy's streaming threshold (32 MiB a batch)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300_000), min_size=1, max_size=24),
+    shifts=st.lists(st.integers(0, 63), min_size=24, max_size=24),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_batch_large_enough_to_stream_matches_numpy(sizes, shifts, seed):
+    """A batch of 32 MiB or more goes through streaming stores in C: every size (below and
+    above the 4 KiB streaming minimum, not a multiple of the 256-byte stride), every
+    alignment of both sides, overlapping copies in order, byte for byte as numpy."""
+    if host_module._host_calls is None:
+        pytest.skip("jaxbuf.drivers._host_calls is not built")
+    rng = np.random.default_rng(seed)
+    source = rng.integers(0, 256, STREAMED, dtype=np.uint8)
+    target = rng.integers(0, 256, STREAMED, dtype=np.uint8)
+    expected = target.copy()
+    triples = [(0, 0, 32 << 20)]  # one large copy makes the batch stream
+    cursor = 32 << 20
+    for size, shift in zip(sizes, shifts):
+        dst = min(cursor + shift, STREAMED - size)
+        src = int(rng.integers(0, STREAMED - size + 1))
+        triples.append((dst, src, size))
+        cursor = dst + size // 2  # the next copy may overlap this one's destination
+    for dst, src, size in triples:  # in order: later copies win where they overlap
+        expected[dst : dst + size] = source[src : src + size]
+    dsts, srcs, lengths = batch(
+        [address(target, d) for d, _, _ in triples],
+        [address(source, s) for _, s, _ in triples],
+        [n for _, _, n in triples],
+    )
+    HostVmmDriver().copy_batch(dsts, srcs, lengths, 0)
+    np.testing.assert_array_equal(target, expected)
+
+
+def test_a_streamed_copy_within_one_buffer_overlapping_itself_is_a_memmove():
+    """A copy whose own source and destination overlap never streams (it is a memmove),
+    even in a batch large enough to."""
+    if host_module._host_calls is None:
+        pytest.skip("jaxbuf.drivers._host_calls is not built")
+    data = np.arange(STREAMED, dtype=np.uint8)
+    expected = data.copy()
+    expected[4096 : (36 << 20) + 4096] = data[: 36 << 20].copy()
+    HostVmmDriver().copy_batch(*batch([address(data, 4096)], [address(data)], [36 << 20]), 0)
+    np.testing.assert_array_equal(data, expected)
+
+
 @pytest.mark.parametrize("path", BATCH_PATHS)
 def test_copy_batch_empty_and_zero_sizes(driver, path):
     target, source = np.zeros(8, np.uint8), np.arange(8, dtype=np.uint8)
