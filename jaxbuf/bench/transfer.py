@@ -29,14 +29,14 @@ there are two), and the registrations that follow a grow.
   and layer (prepared lists: what a connector without a cross-layer layout posts), against
   the floor: one device copy of the same bytes on CUDA, and on the CPU the same scattered
   blocks gathered in one process by the copy the CPU driver moves blocks with
-  (``copy_batch``); on the CPU also against one contiguous memcpy of the same bytes, for
-  reference, without a target: glibc makes a copy of many MiB with non-temporal stores,
-  which copies of 32 KiB (even of 8 MiB) do not get, so it runs at about twice the speed of
-  the same bytes in blocks, contiguous or not. Also the host time of the post alone, the
+  (``copy_batch``); on the CPU also against one contiguous memcpy of the same bytes, the
+  physical floor (glibc copies many MiB with non-temporal stores; ``copy_batch`` streams a
+  batch that large too). Also the host time of the post alone, the
   time of the first ``connect``, and each process's threads and open descriptors
   (``/proc/self/task``, ``/proc/self/fd``) with the same-host endpoint alone, before NIXL is
   loaded. NIXL's rows keep their place, with the reason, where NIXL does not import.
-  Targets: the same-host transport at >= 0.8x the floor's bandwidth (CUDA and CPU); on the
+  Targets: the same-host transport at >= 0.8x the floor's bandwidth (CUDA and CPU, both
+  floors on the CPU); on the
   CPU at most 4 threads per process, whatever the layer count (judged at 32 layers); on CUDA
   the post within 50 µs and >= 1.5x the bandwidth of NIXL over plain per-layer buffers.
 * ``transfer.grow``: a +2 MiB grow with the registration following it, against the same
@@ -571,7 +571,15 @@ def _kv_cache_rows(
         row(_LOCAL, "local", floor_name, "floor", fraction=0.8),
         against_plain,
         *(
-            [row(_LOCAL, "local", f"floor, contiguous: {transports['contiguous']}", "contiguous")]
+            [
+                row(
+                    _LOCAL,
+                    "local",
+                    f"floor, contiguous: {transports['contiguous']}",
+                    "contiguous",
+                    fraction=0.8,
+                )
+            ]
             if "contiguous" in medians
             else []
         ),
