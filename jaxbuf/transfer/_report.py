@@ -38,8 +38,10 @@ def _nixl_between_processes(device: str, options: dict[str, Any] | None) -> str:
     if options is not None and options.get("handle_type") == "fabric":
         return "NIXL over UCX cuda_ipc with fabric handles (create buffers with shareable='fabric')"
     return (
-        "NIXL over UCX through the host: UCX opens another process's VMM memory only with "
-        "fabric handles, which this machine does not give (see CUDA allocations)"
+        "NIXL over UCX through the host: the UCX bundled with NIXL opens another process's "
+        "VMM memory only with fabric handles, which this machine does not give (see CUDA "
+        "allocations); UCX 1.22's POSIX-descriptor cuda_ipc handles are not yet tried by "
+        "jaxbuf on a GPU, so on one host the same-host transport moves VMM memory"
     )
 
 
