@@ -14,6 +14,7 @@ naming it before NIXL is called.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -50,8 +51,6 @@ class NixlTransfer(Transfer):
             self._handle = None
 
     def settle(self, timeout: float) -> bool:
-        import time
-
         if self.finished:
             return True
         start = time.monotonic()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import secrets
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,8 +77,6 @@ class Peer:
 
     def settle(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for its transfers; whether all have finished."""
-        import time
-
         deadline = time.monotonic() + timeout
         return all(
             transfer.settle(max(deadline - time.monotonic(), 0.0))
@@ -322,7 +321,9 @@ class TransferPlane:
             reason = same_host_refusal(layouts[0].local)
             if reason is None:
                 try:
-                    return SameHostLink(self.name, self.sides, self.copier, layouts)
+                    return SameHostLink(
+                        self.name, self.sides, self.copier, layouts, self.limits.io_timeout
+                    )
                 except (OSError, ValueError, DriverError) as error:
                     if self.transport == "local" or self.agent is None:
                         raise ValueError(
