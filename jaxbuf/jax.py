@@ -24,14 +24,14 @@ that jaxbuf (and the host, and torch) may change. What it shows:
   ``DeviceParamTable.sync``) is ordered before the array's consumer stream at import; a
   write by the host (``np``) or by torch must be finished before the array is taken (on a
   GPU: synchronize torch's stream first; jaxbuf cannot order JAX after torch's stream).
-* **Taken before a change, it is undefined which bytes it shows.** After a write (the host
-  through ``np``, torch through a :mod:`jaxbuf.torch` tensor over the same memory, an
-  ``apply_write``, a pool slot written again ``max_concurrency`` calls later, a ``sync``)
-  an array taken earlier may show the old bytes (JAX caches host values, e.g. for
-  ``np.asarray``, and may have copied them) or the new ones (a computation reads the
-  memory when it runs). Never reuse it: take a fresh one. Taking one costs one DLPack
-  import (tens of microseconds on a GPU); the pools import afresh on every call for this
-  reason.
+* **Taken before a change, only computations see the change.** A computation dispatched
+  after the write has completed (a ``jax.jit`` step, any device op) reads the memory when it
+  runs, so it reads the written bytes: that is how an array imported once serves every step
+  (``DeviceParamTable.arrays``, ``UvaBuffer.jax_device_array``). A computation dispatched
+  before the write may read either. The array's *host value* (``np.asarray``, printing,
+  ``.tolist()``) may be a copy JAX made at an earlier read (on a GPU it is cached): read
+  values on the host from an array taken after the write. A pool slot is written again
+  ``max_concurrency`` calls later, which is why the pools import afresh on every call.
 * **A grow changes no array's shape or bytes.** ``resize_segments_`` never moves memory or
   changes committed bytes, so an array taken before keeps its shape (the committed prefix
   then) and its values; the grown bytes are seen by a segment view taken after the grow.

@@ -5,7 +5,7 @@ A JAX array cannot be written in place, so the writes vLLM makes through a tenso
 here through the host (``np``), through jaxbuf (staged writes, pools, ``sync``) or through a
 ``jaxbuf.torch`` tensor over the same memory; what a JAX array shows is read with
 ``np.asarray`` of an array taken after the write, as the contract prescribes. What the
-contract leaves undefined (which bytes an array taken before a write shows) is not asserted.
+contract leaves open (the host value of an array taken before a write) is not asserted.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def test_fused_staged_writer_applies_each_tensor(jax_device):
         output_ptrs=[_pointer(t) for t in targets],
         output_strides=[t.shape[1] for t in targets],
     )
-    del targets  # taken before the apply: the contract leaves their bytes undefined
+    del targets  # taken before the apply: their host values are left open
     assert np.asarray(first.gpu).tolist() == [[10, 11, 0, 0], [0, 0, 0, 0]]
     assert np.asarray(second.gpu).tolist() == [[0, 0, 0, 0], [0, 0, 20, 21]]
     writer.close()
@@ -233,7 +233,7 @@ def test_staged_write_generations(jax_device, uva_target, dtype):
 @needs_torch
 def test_a_torch_writer_and_a_jax_reader_of_the_same_memory(jax_device, device):
     """torch writes through jaxbuf.torch; a JAX array taken after the write shows it; one
-    taken before keeps its shape and dtype (its bytes are undefined, and not asserted)."""
+    taken before keeps its shape and dtype (its host value is left open, and not asserted)."""
     import torch
 
     import jaxbuf.torch as jt
@@ -272,6 +272,20 @@ def test_a_torch_writer_after_an_apply_and_a_jax_reader(jax_device):
     assert np.asarray(staged.gpu).tolist() == [[1, 2, 3, 0, 0, 0, 0, 0], [0, 0, 0, 0, 8, 9, 0, 0]]
     del tensor
     staged.free()
+
+
+def test_an_array_taken_before_a_write_serves_steps_dispatched_after_it(current_platform):
+    """A jitted step reads the memory when it runs: the array imported once sees each host
+    write made before the step is dispatched (its host value is read from a fresh one)."""
+    buffer = UvaBuffer(4, jnp.int32)
+    taken = buffer.uva()
+    double = jax.jit(lambda x: x * 2)
+    for value in (1, 5, 9):
+        buffer.np[:] = value
+        np.testing.assert_array_equal(np.asarray(double(taken)), [2 * value] * 4)
+        np.testing.assert_array_equal(np.asarray(buffer.uva()), [value] * 4)
+    del taken
+    buffer.free()
 
 
 def test_a_grow_changes_no_array_taken_before(jax_device):
