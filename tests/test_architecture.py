@@ -366,6 +366,25 @@ def test_no_module_reaches_a_face_where_it_means_the_framework():
     assert not bad, bad
 
 
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_a_face_without_its_framework_names_the_extra(framework):
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules[{framework!r}] = None  # as if not installed
+        try:
+            import jaxbuf.{framework}
+        except ImportError as error:
+            assert "jaxbuf[{framework}]" in str(error), error
+            print("ok")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
 def test_the_faces_do_not_shadow_the_frameworks():
     """Importing both faces first, the frameworks (and the adapters' imports of them) are
     still the installed packages."""
