@@ -37,20 +37,35 @@ class SegmentedReservation:
         """The reservation's address; RuntimeError once it is freed or closed."""
         raise NotImplementedError
 
+    #: The views made, by ``(ptr, nbytes)``: a view is immutable and holds no export, so the
+    #: same one serves every call for the same bytes, its capsule payloads packed once (a
+    #: framework face's ``segment_view`` then costs one import, not a view and a pack too).
+    #: Made on first use; cleared past a few entries per segment (old sizes after growth).
+    _views: dict[tuple[int, int], BufferView] | None = None
+
     def _view(self, offset: int, nbytes: int) -> BufferView:
-        return BufferView(
-            ptr=self._live_base_ptr() + offset,
-            nbytes=nbytes,
-            dtype=uint8,
-            shape=(nbytes,),
-            device=self._device,
-            owner=self,
-            dlpack_device_type=self._driver.dlpack_device_type,
-        )
+        ptr = self._live_base_ptr() + offset  # ClosedError once freed, cached view or not
+        views = self._views
+        if views is None:
+            views = self._views = {}
+        view = views.get((ptr, nbytes))
+        if view is None:
+            if len(views) > 2 * len(self._committed) + 2:
+                views.clear()
+            view = views[ptr, nbytes] = BufferView(
+                ptr=ptr,
+                nbytes=nbytes,
+                dtype=uint8,
+                shape=(nbytes,),
+                device=self._device,
+                owner=self,
+                dlpack_device_type=self._driver.dlpack_device_type,
+            )
+        return view
 
     def segment_view(self, index: int) -> BufferView:
         """Uint8 view over one segment's committed prefix, sized exactly to it."""
-        i = as_int(index, "segment index")
+        i = index if type(index) is int else as_int(index, "segment index")
         if not 0 <= i < len(self._committed):
             raise IndexError(
                 f"segment index {index!r} out of range for {len(self._committed)} segment(s)"
