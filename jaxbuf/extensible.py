@@ -464,8 +464,10 @@ class ExtensibleTensor(SegmentedReservation):
             # sizes before the close then sees it (and refuses), instead of copying zeros.
             self._committed = [0] * self.num_segments
         # Released, or left to the exports (the anchor holds the buffer; its __del__ runs
-        # when the last export goes): either way this handle holds it no more.
+        # when the last export goes): either way this handle holds it no more, nor the
+        # views it kept (which refer back to it).
         self._buffer = None
+        self._views = None
         self._set_ready_event(None)
 
     close = free

@@ -99,7 +99,14 @@ def _no_cpu(owner: object) -> NoReturn:
 
 
 class ExtensibleTensor(_ExtensibleTensor):
-    """:class:`jaxbuf.ExtensibleTensor` whose views are JAX uint8 arrays."""
+    """:class:`jaxbuf.ExtensibleTensor` whose views are JAX uint8 arrays.
+
+    The neutral views behind them are kept while their bytes stay the same, so a repeated
+    ``segment_view(i)`` costs one import. They refer back to the handle: a handle dropped
+    without :meth:`free` is collected by the cycle collector (``free()`` breaks the cycle).
+    """
+
+    _reuse_views = True
 
     def full_view(self) -> jax.Array:
         """Uint8 array spanning every segment (only committed prefixes may be touched)."""

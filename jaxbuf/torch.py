@@ -86,7 +86,14 @@ interop.get("torch")
 
 
 class ExtensibleTensor(_ExtensibleTensor):
-    """:class:`jaxbuf.ExtensibleTensor` whose views are torch uint8 tensors."""
+    """:class:`jaxbuf.ExtensibleTensor` whose views are torch uint8 tensors.
+
+    The neutral views behind them are kept while their bytes stay the same, so a repeated
+    ``segment_view(i)`` costs one import. They refer back to the handle: a handle dropped
+    without :meth:`free` is collected by the cycle collector (``free()`` breaks the cycle).
+    """
+
+    _reuse_views = True
 
     def full_view(self) -> torch.Tensor:
         """Uint8 tensor spanning every segment (only committed prefixes may be touched)."""

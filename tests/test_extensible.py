@@ -767,25 +767,3 @@ def test_granule_size():
 
     assert granule_size("cpu", Big()) == 3 * MiB
 
-
-# -- views are reused -------------------------------------------------------------------------
-def test_a_view_is_reused_until_its_bytes_change(device):
-    """The same view object serves every call over the same bytes (its payloads packed once:
-    a face's segment_view costs one import); a grow or a release gives new ones, sized to
-    the new prefix, and the old ones keep their size; a freed tensor makes none."""
-    buf = ExtensibleTensor(8 * MiB, device, num_segments=2)
-    buf.resize_per_segment_(1024)
-    first = buf.segment_view(0)
-    assert buf.segment_view(0) is first and buf.full_view() is buf.full_view()
-    assert buf.segment_view(1) is not first
-    for size in range(2048, 64 * 1024, 1024):  # many sizes: the reuse stays bounded
-        buf.resize_per_segment_(size)
-        assert buf.segment_view(0).nbytes == size and buf.segment_view(0) is buf.segment_view(0)
-    assert first.nbytes == 1024 and buf.segment_view(0) is not first
-    buf.release_physical()
-    assert buf.segment_view(0).nbytes == 0
-    buf.free()
-    with pytest.raises(RuntimeError, match="freed"):
-        buf.segment_view(0)
-    with pytest.raises(RuntimeError, match="freed"):
-        buf.full_view()

@@ -624,6 +624,50 @@ def test_non_contiguous_strided_view(current_platform, pinned):
     pool.close()
 
 
+# -- what the face adds: cost and lifetime -----------------------------------------------------
+def test_a_view_is_reused_until_its_bytes_change(device):
+    """The face keeps the neutral view behind each tensor while its bytes stay the same (one
+    import per call, no view built and packed again); a grow or a release gives a tensor
+    sized to the new prefix; a freed tensor makes none."""
+    buf = ExtensibleTensor(8 << 20, device, num_segments=2)
+    buf.resize_per_segment_(1024)
+    neutral = jaxbuf.ExtensibleTensor.segment_view
+    first = neutral(buf, 0)
+    assert neutral(buf, 0) is first and neutral(buf, 1) is not first
+    for size in range(2048, 64 * 1024, 1024):  # many sizes: what is kept stays bounded
+        buf.resize_per_segment_(size)
+        assert neutral(buf, 0) is neutral(buf, 0) and buf.segment_view(0).numel() == size
+    assert first.nbytes == 1024 and buf.segment_view(0).data_ptr() == first.ptr
+    buf.release_physical()
+    assert buf.segment_view(0).numel() == 0
+    buf.free()
+    with pytest.raises(RuntimeError, match="freed"):
+        buf.segment_view(0)
+    with pytest.raises(RuntimeError, match="freed"):
+        buf.full_view()
+
+
+def test_a_face_handle_dropped_without_free_releases_its_memory(device):
+    """The kept views refer back to the handle: the cycle collector frees a dropped one, and
+    its memory goes with the last tensor over it."""
+    import gc
+    import weakref
+
+    driver = FaultInjectingDriver(get_vmm_driver(device))
+    buf = ExtensibleTensor(4 << 20, device, driver=driver)
+    buf.resize_per_segment_(4096, zero_new=True)
+    tensor = buf.segment_view(0)
+    ref = weakref.ref(buf)
+    del buf
+    gc.collect()
+    assert ref() is None
+    tensor.fill_(3)  # the tensor keeps the memory
+    _synchronize(device)
+    del tensor
+    gc.collect()
+    driver.assert_clean()
+
+
 # -- the rest of the seeds' names through the face -------------------------------------------------
 def test_uint8_tensor_from_ptr_is_a_tensor_over_the_memory(device):
     et = ExtensibleTensor(4096, device=device)
