@@ -766,4 +766,3 @@ def test_granule_size():
             return 3 * MiB
 
     assert granule_size("cpu", Big()) == 3 * MiB
-
