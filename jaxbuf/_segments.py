@@ -37,9 +37,33 @@ class SegmentedReservation:
         """The reservation's address; RuntimeError once it is freed or closed."""
         raise NotImplementedError
 
+    #: Whether :meth:`_view` keeps the views it made, by ``(ptr, nbytes)``: a view is
+    #: immutable and holds no export, so one serves every call over the same bytes, its
+    #: capsule payloads packed once (a face's ``segment_view`` then costs one import, not a
+    #: view and a pack too). Off here: the handle and its kept views form a cycle, so a handle
+    #: dropped without ``free()`` would wait for the cycle collector, and jaxbuf's own owners
+    #: (a NonUvaBuffer's device memory) rely on a dropped tensor going at once. The framework
+    #: faces turn it on for the tensors users hold.
+    _reuse_views: bool = False
+    _views: dict[tuple[int, int], BufferView] | None = None
+
     def _view(self, offset: int, nbytes: int) -> BufferView:
+        ptr = self._live_base_ptr() + offset  # ClosedError once freed, kept view or not
+        views = self._views
+        if views is None:
+            if not self._reuse_views:
+                return self._new_view(ptr, nbytes)
+            views = self._views = {}
+        view = views.get((ptr, nbytes))
+        if view is None:
+            if len(views) > 2 * len(self._committed) + 2:  # old sizes, after growth
+                views.clear()
+            view = views[ptr, nbytes] = self._new_view(ptr, nbytes)
+        return view
+
+    def _new_view(self, ptr: int, nbytes: int) -> BufferView:
         return BufferView(
-            ptr=self._live_base_ptr() + offset,
+            ptr=ptr,
             nbytes=nbytes,
             dtype=uint8,
             shape=(nbytes,),
@@ -50,7 +74,7 @@ class SegmentedReservation:
 
     def segment_view(self, index: int) -> BufferView:
         """Uint8 view over one segment's committed prefix, sized exactly to it."""
-        i = as_int(index, "segment index")
+        i = index if type(index) is int else as_int(index, "segment index")
         if not 0 <= i < len(self._committed):
             raise IndexError(
                 f"segment index {index!r} out of range for {len(self._committed)} segment(s)"

@@ -304,7 +304,7 @@ class ExtensibleTensor(SegmentedReservation):
         if not isinstance(zero_new, bool):  # "no" is truthy: never guess what was meant
             raise TypeError(f"zero_new must be a bool, got {zero_new!r}")
         if len(new_sizes) != self.num_segments:
-            raise ValueError(f"expected {self.num_segments} sizes, got {len(new_sizes)}")
+            raise ValueError(f"Expected {self.num_segments} sizes, got {len(new_sizes)}")
         for old, new, capacity in zip(self._committed, new_sizes, self._segment_capacities):
             if new < old:
                 raise ValueError(
@@ -329,7 +329,9 @@ class ExtensibleTensor(SegmentedReservation):
             # The zeroing writes the memory for seconds at a time (512 MiB): an export held
             # meanwhile keeps it mapped should another thread free() (callers serialize, but
             # a race must end in an error, never a signal).
-            held = self.full_view().held_export()
+            # The base class's view, not full_view(): a subclass (the torch and JAX faces)
+            # returns a framework array from full_view().
+            held = self._view(0, self._extent).held_export()
             try:
                 for start, end in grown:
                     driver.memset(buffer.base_ptr + start, 0, end - start, index)
@@ -462,8 +464,10 @@ class ExtensibleTensor(SegmentedReservation):
             # sizes before the close then sees it (and refuses), instead of copying zeros.
             self._committed = [0] * self.num_segments
         # Released, or left to the exports (the anchor holds the buffer; its __del__ runs
-        # when the last export goes): either way this handle holds it no more.
+        # when the last export goes): either way this handle holds it no more, nor the
+        # views it kept (which refer back to it).
         self._buffer = None
+        self._views = None
         self._set_ready_event(None)
 
     close = free
@@ -518,7 +522,7 @@ class ExtensibleTensor(SegmentedReservation):
         allocation, as RDMA registration of the segment requires."""
         checked = _as_size_list(sizes, "sizes")
         if len(checked) != self.num_segments:
-            raise ValueError(f"expected {self.num_segments} sizes, got {len(checked)}")
+            raise ValueError(f"Expected {self.num_segments} sizes, got {len(checked)}")
         for i, (size, capacity) in enumerate(zip(checked, self._segment_capacities)):
             if size > capacity:
                 raise ValueError(f"sizes[{i}] = {size} exceeds the segment capacity {capacity}")

@@ -170,11 +170,20 @@ def _driver_of(device: Device) -> Any:
     return get_vmm_driver(device)
 
 
+_NOT_A_TENSOR = (
+    "a BufferView is jaxbuf's framework-neutral view, not a tensor. Take a torch tensor with "
+    ".to_torch() or a JAX array with .to_jax(), or import the classes from jaxbuf.torch "
+    "(torch tensors everywhere, as vLLM) or jaxbuf.jax (jax.Array everywhere)"
+)
+
+
 class BufferView:
     """A dense, row-major view of ``nbytes`` bytes at ``ptr``.
 
     Invariants: ``prod(shape) * dtype.itemsize <= nbytes``; ``ptr`` is aligned to the
-    itemsize. Views are immutable; :meth:`view` makes a new one.
+    itemsize. Views are immutable; :meth:`view` makes a new one. A view is not a tensor:
+    indexing it, iterating it or calling a tensor method on it raises an error that names
+    :meth:`to_torch`, :meth:`to_jax` and the faces (:mod:`jaxbuf.torch`, :mod:`jaxbuf.jax`).
 
     Thread-safety: a view may be exported from several threads at once.
     """
@@ -243,6 +252,23 @@ class BufferView:
 
     def __len__(self) -> int:
         return self.shape[0] if self.shape else 1
+
+    # -- used as if it were a tensor: say where the tensors are -------------------------
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for a name a view lacks (never on the hot paths): a tensor method,
+        # most likely, called on the framework-neutral view.
+        if name.startswith("_"):
+            raise AttributeError(f"'BufferView' object has no attribute {name!r}")
+        raise AttributeError(f"'BufferView' object has no attribute {name!r}: {_NOT_A_TENSOR}")
+
+    def __getitem__(self, key: Any) -> Any:
+        raise TypeError(f"'BufferView' object is not subscriptable: {_NOT_A_TENSOR}")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise TypeError(f"'BufferView' object does not support item assignment: {_NOT_A_TENSOR}")
+
+    def __iter__(self) -> Any:
+        raise TypeError(f"'BufferView' object is not iterable: {_NOT_A_TENSOR}")
 
     # -- reinterpretation -------------------------------------------------------------
     def view(self, dtype: DTypeLike | None = None, shape: Any = None) -> BufferView:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 import jaxbuf
+import jaxbuf.jax
 from jaxbuf.uva import UvaBuffer, UvaBufferPool, uva_unavailable_reason
 
 device = jaxbuf.default_device()
@@ -115,15 +116,17 @@ print(buf)
 # ## A pool: round-robin slots that grow
 #
 # Each `copy_to_uva(x)` takes the next slot, writes `x` into its host memory and returns the
-# device-visible first `len(x)` rows, as a `BufferView` (default), a torch tensor
-# (`framework="torch"`) or a JAX array (`framework="jax"`). The arrays are made once per slot
-# and length, so a steady-state step pays no DLPack import. An input longer than its slot
-# replaces the slot with one whose row count is the next power of two.
+# device-visible first `len(x)` rows, as a `BufferView` (`jaxbuf.UvaBufferPool`), a torch
+# tensor (`jaxbuf.torch.UvaBufferPool`, vLLM's pool) or a JAX array
+# (`jaxbuf.jax.UvaBufferPool`, used here; `framework=` picks the same on the neutral pool).
+# Views and torch tensors are made once per slot and length, so a steady-state step pays no
+# DLPack import; JAX arrays are imported afresh on every call (see `jaxbuf.jax`). An input
+# longer than its slot replaces the slot with one whose row count is the next power of two.
 #
 # `x` may be a list, a numpy array, a CPU torch tensor or a JAX array.
 
 # %%
-pool = UvaBufferPool(4, "int32", max_concurrency=2, device=device, framework="jax")
+pool = jaxbuf.jax.UvaBufferPool(4, jnp.int32, max_concurrency=2, device=device)
 inputs = [
     [1, 2],
     np.arange(3, dtype=np.int32),

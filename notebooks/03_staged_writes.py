@@ -29,6 +29,10 @@
 # XLA scatter by default, on every platform), with the array donated so it is updated in
 # place.
 #
+# The tables here come from `jaxbuf.torch`, the face for torch code: vLLM's names, with
+# `table.gpu` a `torch.Tensor` over the target, as in vLLM (the neutral `jaxbuf.staged`
+# classes give a `BufferView` there instead). `to_jax()` hands JAX the same memory.
+#
 # On the CPU the Triton kernel runs under Triton's interpreter (slow; write counts here are
 # kept small), on CUDA it is compiled.
 
@@ -51,7 +55,7 @@ import numpy as np
 import torch
 
 from jaxbuf.jax_ops import StagedWrites, apply_staged_writes
-from jaxbuf.staged import FusedStagedWriter, StagedWriteTensor
+from jaxbuf.torch import FusedStagedWriter, StagedWriteTensor
 
 
 def sync():
@@ -80,7 +84,7 @@ print(
     "staged:",
     table.num_staged_writes,
     "| target still zero:",
-    int(table.to_torch().abs().sum()) == 0,
+    int(table.gpu.abs().sum()) == 0,
 )
 
 # %% [markdown]
@@ -111,7 +115,7 @@ print("still staged:", table.num_staged_writes)
 #
 # `apply_write()` applies the four staged writes with one launch of the Triton kernel and
 # clears them. The result is visible to torch and to JAX through DLPack, with no copy:
-# `to_torch()` / `to_jax()` alias the target. On CUDA a consumer that passes its stream
+# `gpu` (a torch tensor) and `to_jax()` alias the target. On CUDA a consumer that passes its stream
 # (torch does) is ordered after the launch; before JAX reads, this notebook calls `sync()`
 # (`torch.cuda.synchronize()` on a GPU, nothing on the CPU).
 
@@ -119,9 +123,9 @@ print("still staged:", table.num_staged_writes)
 table.apply_write()
 sync()
 print("staged after apply:", table.num_staged_writes)
-print(table.to_torch().cpu())
+print(table.gpu.cpu())
 as_jax = table.to_jax()
-print("JAX aliases the target:", as_jax.unsafe_buffer_pointer() == table.gpu.ptr)
+print("JAX aliases the target:", as_jax.unsafe_buffer_pointer() == table.gpu.data_ptr())
 print("JAX row sums:", as_jax.sum(axis=1))
 
 # %% [markdown]
@@ -137,7 +141,7 @@ table.stage_write(0, 0, [100, 100, 100, 100])
 table.stage_write(0, 2, [200, 200])  # overlaps the previous write: this one wins
 table.stage_write(0, 3, [300])  # and this one wins over both
 table.apply_write()
-print("row 0:", table.to_torch()[0].cpu().tolist())
+print("row 0:", table.gpu[0].cpu().tolist())
 
 # %% [markdown]
 # ## The fused writer: tables of different dtypes, one launch
@@ -184,9 +188,9 @@ count = launches(lambda: writer.apply([block_table, scales, biases]))
 sync()
 
 print("writes staged:", staged_now, "| launches to apply them:", count)
-print("block table (torch):\n", block_table.to_torch().cpu())
+print("block table (torch):\n", block_table.gpu.cpu())
 print("scales (JAX):\n", scales.to_jax())
-print("biases (torch, bfloat16):\n", biases.to_torch().cpu())
+print("biases (torch, bfloat16):\n", biases.gpu.cpu())
 
 # %% [markdown]
 # Tensors with nothing staged cost nothing, and an apply with nothing staged launches
@@ -197,7 +201,7 @@ block_table.stage_write(2, 3, [99])
 count = launches(lambda: writer.apply([block_table, scales, biases]))
 count_empty = launches(lambda: writer.apply([block_table, scales, biases]))  # nothing staged
 sync()
-print("launches:", count, "then", count_empty, "| row 2:", block_table.to_torch()[2].cpu().tolist())
+print("launches:", count, "then", count_empty, "| row 2:", block_table.gpu[2].cpu().tolist())
 
 # %% [markdown]
 # `clear_staged_writes()` drops writes that should not happen after all:
@@ -206,7 +210,7 @@ print("launches:", count, "then", count_empty, "| row 2:", block_table.to_torch(
 scales.stage_write(0, 0, [123.0, 456.0])
 scales.clear_staged_writes()
 writer.apply([block_table, scales, biases])
-print("scales row 0 unchanged:", scales.to_torch()[0].cpu().tolist())
+print("scales row 0 unchanged:", scales.gpu[0].cpu().tolist())
 
 # %% [markdown]
 # ## Inside `jax.jit`: `StagedWrites` + `apply_staged_writes`, donated
@@ -325,7 +329,7 @@ packed = staged.pack()
 zeros = jnp.zeros((num_seqs, max_blocks), jnp.int32)
 via_default = jax.jit(apply_staged_writes)(zeros, packed)
 via_scatter = jax.jit(lambda a, p: apply_staged_writes(a, p, method="scatter"))(zeros, packed)
-from_torch = torch_side.to_torch().cpu().numpy()
+from_torch = torch_side.gpu.cpu().numpy()
 print("torch == JAX default:", bool((np.asarray(via_default) == from_torch).all()))
 print("JAX default == scatter:", bool((via_default == via_scatter).all()))
 print(from_torch)

@@ -3,8 +3,12 @@
 * The library proper (``jaxbuf/`` minus the framework adapters of ``jaxbuf/interop/``, the
   benchmarks, the demo and the CLI) imports no torch, JAX or Triton, except that the JAX wings
   of staged writes and of the KV cache (``jaxbuf/staged/_jax_*``, ``jaxbuf/kv/_jax_*``)
-  import JAX; the kernels of ``kernels/`` (installed as ``jaxbuf.kernels``) may, and only
-  they may import Triton.
+  import JAX and each face (``jaxbuf/torch.py``, ``jaxbuf/jax.py``) its own framework; the
+  kernels of ``kernels/`` (installed as ``jaxbuf.kernels``) may, and only they may import
+  Triton.
+* The faces sit above the buffers, staged writes and KV cache: they import only those, the
+  views and the adapters, and nothing but the front ends imports them. Their names do not
+  shadow the frameworks inside the package.
 * ``kernels/`` takes pointers and arrays: it imports no jaxbuf owner (buffers, views, staged
   writes, framework adapters).
 * No module of ``jaxbuf/`` or ``kernels/`` is over 600 lines.
@@ -43,6 +47,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FRAMEWORKS = ("torch", "jax", "jaxlib", "triton")
 # Not the library proper: front ends and measurement, outside the import path of the rest.
 FRONT_ENDS = ("jaxbuf.bench", "jaxbuf.cli", "jaxbuf.demo", "jaxbuf.__main__")
+#: The faces, each with the framework it alone (besides the adapters) may import.
+FACES = {"jaxbuf.torch": ("torch",), "jaxbuf.jax": ("jax", "jaxlib")}
 
 
 def _module_files() -> dict[str, pathlib.Path]:
@@ -199,7 +205,7 @@ def test_the_module_walk_sees_the_layout():
 
 @pytest.mark.parametrize("name", _library_proper())
 def test_library_proper_imports_no_framework(name):
-    allowed = ("jax", "jaxlib") if _is_jax_wing(name) else ()
+    allowed = ("jax", "jaxlib") if _is_jax_wing(name) else FACES.get(name, ())
     bad = [
         f"{MODULES[name].relative_to(ROOT)}:{line} imports {module}"
         for module, line in IMPORTS[name]
@@ -315,6 +321,90 @@ def test_adapters_import_only_the_drivers_base(name):
 def test_library_proper_stays_out_of_front_ends(name):
     reached = sorted(m for m in _reachable(name) if _under(m, FRONT_ENDS))
     assert not reached, f"{name} reaches {reached}"
+
+
+# -- the faces: the seeds' names with each framework's types, one layer below the front ends --
+#: What a face may import: the layers it converts the results of, and the adapters.
+FACE_IMPORTS = (
+    "jaxbuf.extensible",
+    "jaxbuf.uva",
+    "jaxbuf.staged",
+    "jaxbuf.kv",
+    "jaxbuf.views",
+    "jaxbuf.interop",
+)
+
+
+def test_the_faces_are_seen():
+    assert set(FACES) <= set(MODULES), sorted(MODULES)
+    assert set(FACES) <= set(_library_proper())
+
+
+@pytest.mark.parametrize("name", sorted(FACES))
+def test_faces_import_only_the_layers_they_convert(name):
+    direct = sorted(m for m in GRAPH[name] if not _under(m, FACE_IMPORTS))
+    assert not direct, f"{name} imports {direct}: a face converts, it has no logic of its own"
+
+
+@pytest.mark.parametrize("name", sorted(set(MODULES) - set(FACES)))
+def test_only_front_ends_reach_the_faces(name):
+    if _under(name, FRONT_ENDS):
+        return
+    reached = sorted(m for m in _reachable(name) if m in FACES)
+    assert not reached, f"{name} reaches {reached}: the faces sit above the library"
+
+
+def test_no_module_reaches_a_face_where_it_means_the_framework():
+    # ``from . import torch`` (or ``jax``) in jaxbuf/ is the face, not the framework: the
+    # package's modules name the frameworks absolutely only.
+    bad = [
+        f"{name}:{line} imports {module}"
+        for name, imports in IMPORTS.items()
+        for module, line in imports
+        if module in FACES and not _under(name, FRONT_ENDS)
+    ]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_a_face_without_its_framework_names_the_extra(framework):
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules[{framework!r}] = None  # as if not installed
+        try:
+            import jaxbuf.{framework}
+        except ImportError as error:
+            assert "jaxbuf[{framework}]" in str(error), error
+            print("ok")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_the_faces_do_not_shadow_the_frameworks():
+    """Importing both faces first, the frameworks (and the adapters' imports of them) are
+    still the installed packages."""
+    code = textwrap.dedent(
+        """
+        import importlib, importlib.util
+        for name in ("torch", "jax"):
+            if importlib.util.find_spec(name) is None:
+                continue
+            face = importlib.import_module("jaxbuf." + name)  # the face first
+            assert face.__name__ == "jaxbuf." + name, face
+            module = importlib.import_module(name)
+            assert module.__name__ == name and "jaxbuf" not in module.__file__, module
+        print("ok")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 # The modules that own memory through the public API: views sit below them (no upward arrow).

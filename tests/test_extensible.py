@@ -423,7 +423,7 @@ def test_driver_platform_must_match_device(tracked):
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda b: b.resize_segments_([1, 2, 3]), ValueError, "expected 2 sizes, got 3"),
+        (lambda b: b.resize_segments_([1, 2, 3]), ValueError, "Expected 2 sizes, got 3"),
         (lambda b: b.resize_segments_([1, -2]), ValueError, "-2"),
         (lambda b: b.resize_segments_([1, 2.5]), TypeError, "2.5"),
         (lambda b: b.resize_segments_([1, None]), TypeError, "None"),
@@ -439,7 +439,7 @@ def test_driver_platform_must_match_device(tracked):
         (lambda b: b.segment_view(True), TypeError, "True"),
         (lambda b: b.segment_view(0.0), TypeError, "0.0"),
         (lambda b: b.segment_view("0"), TypeError, "'0'"),
-        (lambda b: b.segments_backed_by_one_chunk([1]), ValueError, "expected 2 sizes"),
+        (lambda b: b.segments_backed_by_one_chunk([1]), ValueError, "Expected 2 sizes"),
     ],
 )
 def test_invalid_calls_raise_and_change_nothing(device, tracked, call, error, match):

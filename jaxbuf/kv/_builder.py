@@ -68,6 +68,10 @@ class ExtensibleKVCacheBuilder:
         The driver to create the tensors with (not with ``shareable``).
     """
 
+    #: The class :meth:`finish` hands the tensors over as: the framework faces
+    #: (:mod:`jaxbuf.torch`, :mod:`jaxbuf.jax`) put theirs here, whose views are their arrays.
+    buffers_type: type[ExtensibleKVCacheBuffers] = ExtensibleKVCacheBuffers
+
     def __init__(
         self,
         num_blocks_capacity: int,
@@ -134,7 +138,7 @@ class ExtensibleKVCacheBuilder:
         (call again, or :meth:`free`)."""
         if self._finished is not None:
             return self._finished
-        buffers = ExtensibleKVCacheBuffers(self.buffers, self.num_blocks_capacity)
+        buffers = self.buffers_type(self.buffers, self.num_blocks_capacity)
         buffers.commit(1)
         self._finished = buffers
         return buffers
