@@ -22,9 +22,8 @@ from jaxbuf.devices import as_device
 needs_jax = pytest.mark.skipif(JAX_REASON is not None, reason=JAX_REASON or "")
 needs_torch = pytest.mark.skipif(TORCH_REASON is not None, reason=TORCH_REASON or "")
 PNG = b"\x89PNG\r\n\x1a\n"
-# One worker runs this module under `-n auto --dist loadgroup`: its bench run (a module
-# fixture, minutes on a loaded CPU) is made once, not once per worker.
-pytestmark = pytest.mark.xdist_group("bench_jax")
+# One worker runs this module under `-n auto --dist loadgroup` (ONE_WORKER in conftest.py):
+# its bench run (a module fixture, minutes on a loaded CPU) is made once, not once per worker.
 SUITES = ("jax.decode", "jax.staged", "jax.views")
 
 
