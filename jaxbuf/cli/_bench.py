@@ -55,6 +55,47 @@ EXIT_STATUS = (
 )
 
 
+#: The variables that set the intra-op threads of torch (read when it is imported), OpenMP
+#: and the BLAS libraries loaded after the command starts.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def thread_count(text: str) -> int:
+    """``--threads N``: a positive integer."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"--threads takes a positive integer, got {text!r}")
+    return count
+
+
+def _pin_threads(device: Any, asked: int | None) -> str:
+    """Set the intra-op threads the timed loops run with, before any suite imports torch;
+    return the header's phrase for it.
+
+    On the CPU torch's intra-op threads (one per core by default) compete with the timed
+    work and each other for the cores: ``torch.decode``'s medians moved between 1 ms and
+    60 ms from run to run on a shared 2-core machine, and held at about 1.7 ms with one
+    thread. So the CPU default is one thread, or ``OMP_NUM_THREADS`` where the user set it;
+    ``--threads`` overrides both. On CUDA the default is left alone (torch's host threads
+    hardly touch the device figures). numpy's own loops are single-threaded; its BLAS was
+    loaded before the command started and keeps its setting (no timed loop multiplies
+    matrices in numpy)."""
+    if asked is None:
+        if getattr(device, "is_cuda", False):
+            return "threads: torch's default (--threads N pins them)"
+        user = os.environ.get("OMP_NUM_THREADS", "")
+        asked = int(user) if user.isdigit() and int(user) > 0 else 1
+    for name in THREAD_VARIABLES:
+        os.environ[name] = str(asked)
+    torch = sys.modules.get("torch")  # read at import: only an already imported torch is set
+    if torch is not None:
+        torch.set_num_threads(asked)
+    return f"threads: {asked} (torch, OpenMP; --threads N changes it)"
+
+
 def _device_file_name(device: Any) -> str:
     """``cpu``, ``cuda``, ``cuda1``: the device part of the default result file names."""
     return device.platform if device.index == 0 else f"{device.platform}{device.index}"
@@ -129,6 +170,7 @@ def _suite_line(index: int, total: int, result: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
+    threads = _pin_threads(device, getattr(args, "threads", None))
     if args.plot is not None:
         require("matplotlib", "--plot")
     from jaxbuf import bench
@@ -157,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     quick = " (quick: small sizes, targets not judged at quick sizes)" if args.quick else ""
     start_load = _one_minute_load()
     load = "" if start_load is None else f"; load {start_load:.1f} on {os.cpu_count()} cores"
-    out.line(f"jaxbuf bench on {device}{quick}: {len(suites)} suite(s){load}")
+    out.line(f"jaxbuf bench on {device}{quick}: {len(suites)} suite(s){load}; {threads}")
     interpreted = [s.name for s in runnable if s.uses_interpreter(device)]
     if interpreted:
         out.line(
@@ -221,7 +263,11 @@ def run(args: argparse.Namespace) -> int:
         "interpreter": args.interpreter,
         "machine": machine(),
         "versions": versions(),
-        "environment": {k: v for k, v in os.environ.items() if k.startswith("XLA_PYTHON_")},
+        "environment": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith("XLA_PYTHON_") or k in THREAD_VARIABLES
+        },
         "ratio": f"median_s / baseline_median_s ({bench.RATIO}, lower is better)",
         "suites": serial,
         "load_errors": dict(bench.load_errors),

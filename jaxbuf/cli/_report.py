@@ -73,7 +73,7 @@ def verdict_cell(row: Any, device: str, footnotes: Footnotes) -> str:
     reason = row.not_judged_reason
     if reason == row.not_judged_here:
         return "not judged here" + footnotes.mark([f"not judged on {device}: {reason}"])
-    if reason == "within the spread":
+    if reason == "too close to call" and row.spread is not None:
         return f"not judged: spread {format_spread(row)}"
     return f"not judged: {reason}"
 

@@ -207,7 +207,9 @@ def resolve_device(spec: str | None) -> Any:
         device = default_device() if spec is None else as_device(spec)
         get_vmm_driver(device)
     except (ValueError, TypeError, RuntimeError) as error:
-        raise CliError(one_line(error)) from None
+        # The driver's advice is worded for the Python API; here the same choice is the option.
+        message = one_line(error).replace('Use device="cpu"', "Use --device cpu")
+        raise CliError(message) from None
     return device
 
 
