@@ -15,14 +15,16 @@ import pytest
 from conftest import CUDA_REASON
 
 from jaxbuf.__main__ import main
-from jaxbuf.bench import SUITES, TOLERANCE, Row, Sizes, suite
+from jaxbuf.bench import SUITES, TOLERANCE, Row, Sizes, load_suites, suite
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def temporary_suites():
-    """Suites registered by a test, removed afterwards."""
+    """Suites registered by a test, removed afterwards (the package's own loaded first, so
+    that they are not taken for the test's)."""
+    load_suites()
     before = set(SUITES)
     yield
     for name in set(SUITES) - before:
@@ -162,3 +164,138 @@ def test_an_unavailable_cuda_device_points_at_the_cpu_option():
 
 def test_a_local_virtual_environment_is_ignored():
     assert ".venv/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+LONG_NAME = (
+    "jitted apply 256 writes, device time per apply (method='scatter' on an unexpanded "
+    "pack (indices computed on the device))"
+)
+
+
+def _register_wordy_suite() -> None:
+    @suite("test_bench_output.wordy")
+    def wordy(device, quick):
+        yield Sizes("a " + "very " * 30 + "long title")
+        yield Row(
+            LONG_NAME,
+            2e-6,
+            "plain JAX: a.at[r, c].set(v), device time per apply",
+            1e-6,
+            target="<= 1x plain JAX",
+            met=False,
+            notes="a note " + "that goes on " * 20,
+        )
+        yield Row(
+            "seed-style: grow at 10,000 granules", 5e-4, "seed-style: grow at 100 granules", 5e-6
+        )
+        yield Row(
+            "jaxbuf: grow at 10,000 granules", 2e-6, "seed-style: grow at 10,000 granules", 5e-4
+        )
+        yield Row("held at most (jaxbuf)", None, value="4 MiB", target="held <= tokens",
+                  met=True, notes="jaxbuf held at most 4 MiB, within its bound")  # fmt: skip
+
+
+def test_piped_output_fits_120_columns_with_short_names(capsys, temporary_suites, tmp_path):
+    _register_wordy_suite()
+    argv = ["bench", "--device", "cpu", "--only", "test_bench_output.wordy"]
+    assert main([*argv, "--json", str(tmp_path / "w.json")]) == 0  # capsys: not a terminal
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 120, max(lines, key=len)
+    # The long name is cut before its parenthesis; the rest is a footnote it points at.
+    row = next(line for line in lines if line.startswith("jitted apply 256 writes"))
+    assert "(method=" not in row and re.search(r"per apply \[\d", row)
+    words = " ".join(out.split())
+    assert "jitted apply 256 writes, device time per apply: method='scatter' on an" in words
+    # The ratio column holds jaxbuf ÷ baseline only: a seed ÷ seed scaling is a footnote.
+    seed = next(line for line in lines if line.startswith("seed-style: grow at 10,000"))
+    assert not re.search(r"\d+x", seed), seed
+    assert "seed-style: grow at 100 granules: 100x (not jaxbuf)" in words
+    jaxbuf = next(line for line in lines if line.startswith("jaxbuf: grow at 10,000"))
+    assert "0.004x" in jaxbuf
+    # The JSON keeps every figure, the scaling ratio included.
+    import json
+
+    rows = json.loads((tmp_path / "w.json").read_text())["suites"][0]["rows"]
+    assert rows[0]["name"] == LONG_NAME and rows[1]["ratio"] == pytest.approx(100)
+
+
+def test_a_short_name_never_cuts_inside_brackets():
+    from jaxbuf.cli._report import short_name
+
+    name = "plain JAX: numpy indices + jitted a.at[r, c].set(v), end to end, and more words"
+    short, detail = short_name(name)
+    assert short == "plain JAX: numpy indices + jitted a.at[r, c].set(v)"
+    assert detail == f"{short}: end to end, and more words"
+    assert short_name("short") == ("short", "")
+    unbroken = "x" * 80
+    short, detail = short_name(unbroken)
+    assert len(short) <= 60 and short.endswith("…") and unbroken in detail
+
+
+def _decode_profiles() -> list[dict]:
+    """jax.decode and torch.decode rows of three profiles each, shaped as the suites write
+    them: six panels a row before the grid."""
+    rows = []
+    for framework in ("jax", "torch"):
+        for profile, steps in (("short", 40), ("long", 160), ("mixed", 160)):
+            needed = [(1 + i // 16) << 18 for i in range(steps)]
+            step_s = [1e-3 * (1 + (i % 17 == 0)) for i in range(steps)]
+            series = {
+                variant: {"step_s": step_s, "held_bytes": needed}
+                for variant in ("jaxbuf", "preallocated", "realloc")
+            }
+            params = {
+                "kind": "decode-step",
+                "profile": profile,
+                "framework": framework,
+                "granule_bytes": 2 << 20,
+                "needed_bytes": needed,
+                "series": series,
+            }
+            rows.append(Row(f"{framework} decode {profile}", 1e-3, params=params).to_json())
+    return [{"name": "jax.decode", "rows": rows[:3]}, {"name": "torch.decode", "rows": rows[3:]}]
+
+
+def test_the_decode_plot_is_a_grid_under_2000_px_one_colour_per_series(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    from jaxbuf.cli import _plots
+
+    path = tmp_path / "decode.png"
+    captured = {}
+    save = _plots._save
+
+    def keep(plt, figure, where, note=""):
+        captured["labels"] = {
+            line.get_label(): line.get_color()
+            for axis in figure.axes
+            for line in axis.lines
+            if not line.get_label().startswith("_")
+        }
+        save(plt, figure, where, note)
+
+    _plots._save, saved = keep, _plots._save
+    try:
+        assert _plots._plot_decode(_decode_profiles(), path, "cpu")
+    finally:
+        _plots._save = saved
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert width <= 2000 and height <= 2400, (width, height)
+    colours = captured["labels"]
+    series = [label for label in colours if not label.startswith("granule")]
+    assert len({colours[label] for label in series}) == len(series), colours
+
+
+def test_plot_with_nothing_to_draw_names_what_it_can_draw_here(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from jaxbuf.cli import _plots
+    from jaxbuf.devices import Device
+
+    results = [{"name": "staged.patterns", "rows": [], "skipped": "interpreter"}]
+    assert _plots.write_plots(results, str(tmp_path / "p.png"), Device("cpu"), "cpu") == []
+    err = " ".join(capsys.readouterr().err.split())
+    assert "staged.patterns was skipped (off a GPU its rows time Triton's interpreter" in err
+    assert "On cpu, --plot draws extensible.growth" in err
+    assert "run the extensible.growth, jax.decode or staged.patterns suite" not in err
