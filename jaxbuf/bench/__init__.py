@@ -55,8 +55,12 @@ Suites run in one process, in registration order (the modules in alphabetical or
 selected suite is registered with ``fresh_jax_allocations=True`` (its baselines reallocate, or
 it reports device memory), the command runs JAX with ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``
 (unless set): every JAX allocation is then a fresh device allocation, returned on release, and
-every other JAX suite in that run pays for it too (tens to hundreds of µs a jitted call). Time
-JAX hot paths alone (``--only jax.staged``), under JAX's default pool, as a JAX user runs.
+every other JAX suite in that process would pay for it too (tens to hundreds of µs a jitted
+call): the command runs the JAX hot-path suites of such a run in a child process of their own,
+under JAX's default pool, as a JAX user runs them.
+
+A target is judged only when its margin is clear of the run's own spread widened by
+:data:`TOLERANCE` (:attr:`Row.too_close`): a verdict that a rerun would flip is not given.
 """
 
 from __future__ import annotations

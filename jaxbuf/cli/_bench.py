@@ -9,9 +9,12 @@ missing, whose figures need a GPU (``gpu_only``), or whose kernels would run und
 interpreter (``interpreted``, unless ``--interpreter``) is skipped with its reason, listed
 at the end (never a traceback or ``FAILED``). Every ratio is jaxbuf ÷ baseline, lower is
 better; a row is judged against its target only at full sizes, outside the interpreter, with
-its baseline measured, on a device the target is set for, and with its bound outside the
-run's spread (:attr:`jaxbuf.bench.Row.judged`). When stdout is not a terminal (a log, a
-pipe) each suite prints one line as it ends, and the tables are plain text.
+its baseline measured, on a device the target is set for, and with its bound clear of the
+run's spread widened by ±10% (:attr:`jaxbuf.bench.Row.judged`). When stdout is not a
+terminal (a log, a pipe) each suite prints one line as it ends, and the tables are plain text
+within 120 columns, two lines a row. On the CPU torch and OpenMP time with one intra-op
+thread (``--threads``). JAX hot-path suites selected with a suite that puts JAX on its
+platform allocator run in a child process, on JAX's pool.
 
 Exit status (:data:`EXIT_STATUS`): 0 when every selected suite ran or was skipped with its
 reason, missed targets included; 1 when a suite failed, or with ``--strict`` when a target
