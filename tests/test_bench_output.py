@@ -126,11 +126,23 @@ def test_the_cpu_run_pins_torch_and_openmp_threads(
     assert main([*argv, "--json", str(tmp_path / "t.json")]) == 0
     assert seen["omp"] == "1"
     assert "threads: 1 (torch, OpenMP; --threads N changes it)" in capsys.readouterr().out
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+
+    @suite("test_bench_output.torch_threads")
+    def torch_threads(device, quick):
+        seen["torch"] = torch.get_num_threads() if torch is not None else None
+        yield Row("r", 1e-3)
+
+    argv[-1] = "test_bench_output"
     assert main([*argv, "--threads", "2", "--json", str(tmp_path / "t.json")]) == 0
     assert seen["omp"] == "2"
-    torch = sys.modules.get("torch")
     if torch is not None:  # an already imported torch is set at once
-        assert torch.get_num_threads() == 2
+        assert seen["torch"] == 2
+    # The process gets its own settings back: main() may run inside a longer-lived one.
+    assert "OMP_NUM_THREADS" not in os.environ
+    if torch is not None:
+        assert torch.get_num_threads() == before
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two"])

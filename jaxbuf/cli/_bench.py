@@ -181,6 +181,24 @@ def _suite_line(index: int, total: int, result: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The command: pins the timing threads for the run and gives the process its own
+    settings back afterwards (``main`` may be called in a process that goes on)."""
+    saved = {name: os.environ.get(name) for name in THREAD_VARIABLES}
+    torch = sys.modules.get("torch")
+    torch_threads = torch.get_num_threads() if torch is not None else None
+    try:
+        return _run(args)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     threads = _pin_threads(device, getattr(args, "threads", None))
     if args.plot is not None:
