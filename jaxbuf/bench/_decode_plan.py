@@ -219,11 +219,12 @@ def decode_rows(
         if not over
         else f"over its bound at {len(over)} steps, first at step {over[0]}"
     )
+    # One footnote: the table splits notes at "; ", so the sentences end with ". ".
     memory_note = (
-        f"jaxbuf held at most {format_bytes(peaks['jaxbuf'])}, {within} (the pages of this "
-        f"step and the next, + one growth step of {format_bytes(plan.growth_step_bytes)}, at "
-        f"most {format_bytes(max(bound))}; the driver commits whole "
-        f"{format_bytes(plan.granule)} granules); preallocated holds "
+        f"jaxbuf held at most {format_bytes(peaks['jaxbuf'])}, {within}: the pages of this "
+        f"step and the next plus one growth step of {format_bytes(plan.growth_step_bytes)}, "
+        f"at most {format_bytes(max(bound))}. The driver commits whole "
+        f"{format_bytes(plan.granule)} granules. Preallocated holds "
         f"{format_bytes(peaks['preallocated'])} from the start, realloc+copy up to "
         f"{format_bytes(peaks['realloc'])} (old + new during a copy)"
     )
