@@ -112,6 +112,42 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and CUDA_REASON is not None:
             item.add_marker(skip_gpu)
+        if item.get_closest_marker("xdist_group") is not None:
+            raise pytest.UsageError(
+                f"{item.nodeid}: an xdist_group mark groups nothing with pytest 9.2 or later; "
+                "name the module in ONE_WORKER (tests/conftest.py) instead"
+            )
+
+
+# Modules whose tests share one xdist worker under `--dist loadgroup` (the README's test
+# command), by file name: each has a module fixture that builds or runs something for minutes
+# (the wheel, the JAX bench run), made once rather than once per worker. The scheduler below
+# groups them from the node id's file name alone. xdist's own `xdist_group` mark works by
+# rewriting each test's node id on the worker, which pytest 9.2's structured node ids ignore:
+# the marked tests then spread over every worker without a word.
+# tests/test_xdist_groups.py runs a grouped module on two workers and fails if it is split.
+ONE_WORKER = {"test_packaging.py": "packaging", "test_bench_jax.py": "bench_jax"}
+
+
+def one_worker_group(nodeid: str) -> str | None:
+    """The ONE_WORKER group of the test ``nodeid`` names, or None."""
+    return ONE_WORKER.get(nodeid.split("::", 1)[0].rsplit("/", 1)[-1])
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which may not be installed
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadgroup``, xdist's group scheduler with each ONE_WORKER module as one
+    unit of work; every other test is its own unit, as before."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class OneWorkerScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            group = one_worker_group(nodeid)
+            return f"one worker: {group}" if group else super()._split_scope(nodeid)
+
+    return OneWorkerScheduling(config, log)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

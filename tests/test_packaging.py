@@ -7,9 +7,12 @@ and where the project lives."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import textwrap
 import zipfile
@@ -18,9 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# One worker runs this module under `-n auto --dist loadgroup`: the wheel (a module fixture)
-# is built once, not once per worker.
-pytestmark = pytest.mark.xdist_group("packaging")
+# One worker runs this module under `-n auto --dist loadgroup` (ONE_WORKER in conftest.py).
 
 try:
     import tomllib
@@ -54,16 +55,50 @@ def _pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
+def _skip_unless_the_build_tools_are_here() -> None:
+    """Skip, naming it, only when a tool the build needs is not installed. Anything else that
+    stops a build is a packaging fault: the test building fails with the build's own error."""
+    for module, why in (("setuptools", "the build backend"), ("pip", "builds the wheel")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed ({why}; the `test` extra has it)")
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler!r} is not on PATH): the extensions need one")
+
+
+# What a build must not read from the working tree: another build's output (a wheel built
+# at the same time in the shared build/ fails with "File exists"), compiled extensions and
+# caches.
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git", "build", "dist", "*.egg-info", "__pycache__", "*.so", ".venv", ".hypothesis",
+    ".pytest_cache", ".ipynb_checkpoints", "results", ".whl", ".wheels",
+)  # fmt: skip
+
+
+def _private_source_tree(directory: Path) -> Path:
+    """A copy of the source tree in ``directory``, so that a build's ``build/`` and
+    ``*.egg-info`` are its own: no other build (another worker, a developer's
+    ``setup.py build_ext``) writes there at the same time."""
+    source = directory / "source"
+    shutil.copytree(ROOT, source, ignore=_NOT_SOURCE, symlinks=True)
+    return source
+
+
+def _build(command: list[str], cwd: Path, what: str) -> None:
+    build = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd)
+    if build.returncode:
+        pytest.fail(f"{what} failed (exit {build.returncode}):\n{build.stderr[-3000:]}")
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    pytest.importorskip("setuptools")
-    wheel_dir = tmp_path_factory.mktemp("wheel")
-    command = [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps"]
-    command += ["--no-build-isolation", "-q", "-w", str(wheel_dir)]
-    build = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if build.returncode:
-        pytest.skip(f"cannot build a wheel here: {build.stderr[-500:]}")
-    (built,) = wheel_dir.glob("jaxbuf-*.whl")
+    _skip_unless_the_build_tools_are_here()
+    work = tmp_path_factory.mktemp("wheel")
+    source = _private_source_tree(work)
+    command = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps"]
+    command += ["--no-build-isolation", "-q", "-w", str(work)]
+    _build(command, work, "building the wheel")
+    (built,) = work.glob("jaxbuf-*.whl")
     return built
 
 
@@ -201,13 +236,10 @@ def _shipped_links() -> set[str]:
 
 
 def test_sdist_carries_the_license_docs_notebooks_and_linked_reports(tmp_path):
-    pytest.importorskip("setuptools")
-    # egg_info goes to tmp_path, not the source tree, so a wheel built beside it does not race.
-    command = [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)]
-    command += ["sdist", "-d", str(tmp_path)]
-    build = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    if build.returncode:
-        pytest.skip(f"cannot build an sdist here: {build.stderr[-500:]}")
+    _skip_unless_the_build_tools_are_here()
+    source = _private_source_tree(tmp_path)
+    command = [sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)]
+    _build(command, source, "building the sdist")
     (sdist,) = tmp_path.glob("jaxbuf-*.tar.gz")
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}

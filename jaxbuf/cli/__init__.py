@@ -46,7 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="{info,bench,demo}")
     device_help = "cpu, cuda or cuda:N (default: CUDA when it works here, else the CPU)"
 
-    info = commands.add_parser("info", help="platform, drivers, versions, granule sizes")
+    info = commands.add_parser(
+        "info",
+        help="platform, drivers, versions, granule sizes",
+        description="Print the platform, which drivers work here (and, for those that do not, "
+        "why), the versions of jaxbuf and the frameworks it can share memory with, and each "
+        "working device's allocation granule.",
+    )
     info.set_defaults(handler=_info.run)
 
     bench = commands.add_parser(
@@ -94,6 +100,14 @@ def _parser() -> argparse.ArgumentParser:
         "goes there and each other beside it as <stem>-<kind>.png",
     )
     bench.add_argument(
+        "--threads",
+        type=_bench.thread_count,
+        metavar="N",
+        help="intra-op threads of torch and OpenMP while timing (default on the CPU: "
+        "OMP_NUM_THREADS when set, else 1, so that torch's threads do not fight the timed "
+        "work for the cores; on CUDA: torch's own default)",
+    )
+    bench.add_argument(
         "--only",
         nargs="+",
         metavar="NAME",
@@ -101,7 +115,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(handler=_bench.run)
 
-    demo = commands.add_parser("demo", help="grow a buffer, then run a toy decode loop")
+    demo = commands.add_parser(
+        "demo",
+        help="grow a buffer, then run a toy decode loop",
+        description="A terminal walkthrough: grow one buffer four times while torch and JAX "
+        "read the same bytes through zero-copy views, then run a toy decode loop over a "
+        "growing paged KV cache (notebook 04's worked example) with a summary table.",
+    )
     demo.add_argument("--device", help=device_help)
     demo.add_argument(
         "--steps",

@@ -9,9 +9,12 @@ missing, whose figures need a GPU (``gpu_only``), or whose kernels would run und
 interpreter (``interpreted``, unless ``--interpreter``) is skipped with its reason, listed
 at the end (never a traceback or ``FAILED``). Every ratio is jaxbuf ÷ baseline, lower is
 better; a row is judged against its target only at full sizes, outside the interpreter, with
-its baseline measured, on a device the target is set for, and with its bound outside the
-run's spread (:attr:`jaxbuf.bench.Row.judged`). When stdout is not a terminal (a log, a
-pipe) each suite prints one line as it ends, and the tables are plain text.
+its baseline measured, on a device the target is set for, and with its bound clear of the
+run's spread widened by ±10% (:attr:`jaxbuf.bench.Row.judged`). When stdout is not a
+terminal (a log, a pipe) each suite prints one line as it ends, and the tables are plain text
+within 120 columns, two lines a row. On the CPU torch and OpenMP time with one intra-op
+thread (``--threads``). JAX hot-path suites selected with a suite that puts JAX on its
+platform allocator run in a child process, on JAX's pool.
 
 Exit status (:data:`EXIT_STATUS`): 0 when every selected suite ran or was skipped with its
 reason, missed targets included; 1 when a suite failed, or with ``--strict`` when a target
@@ -30,7 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from . import _plots
-from ._report import RATIO_LINE, legend, suite_table, tally, tally_lines, verdict_counts
+from ._report import (
+    RATIO_LINE,
+    legend,
+    stacked_table,
+    suite_table,
+    tally,
+    tally_lines,
+    verdict_counts,
+)
 from ._shared import (
     CliError,
     Printer,
@@ -40,6 +51,7 @@ from ._shared import (
     require,
     resolve_device,
     versions,
+    warn,
 )
 
 INTERPRETER_LABEL = "Triton interpreter figures: they time the interpreter, not jaxbuf"
@@ -53,6 +65,47 @@ EXIT_STATUS = (
     "targets included; 1 when a suite failed, or with --strict when a target was missed; "
     "2 for a usage error (bad device, unknown suite, --plot without matplotlib)"
 )
+
+
+#: The variables that set the intra-op threads of torch (read when it is imported), OpenMP
+#: and the BLAS libraries loaded after the command starts.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def thread_count(text: str) -> int:
+    """``--threads N``: a positive integer."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"--threads takes a positive integer, got {text!r}")
+    return count
+
+
+def _pin_threads(device: Any, asked: int | None) -> str:
+    """Set the intra-op threads the timed loops run with, before any suite imports torch;
+    return the header's phrase for it.
+
+    On the CPU torch's intra-op threads (one per core by default) compete with the timed
+    work and each other for the cores: ``torch.decode``'s medians moved between 1 ms and
+    60 ms from run to run on a shared 2-core machine, and held at about 1.7 ms with one
+    thread. So the CPU default is one thread, or ``OMP_NUM_THREADS`` where the user set it;
+    ``--threads`` overrides both. On CUDA the default is left alone (torch's host threads
+    hardly touch the device figures). numpy's own loops are single-threaded; its BLAS was
+    loaded before the command started and keeps its setting (no timed loop multiplies
+    matrices in numpy)."""
+    if asked is None:
+        if getattr(device, "is_cuda", False):
+            return "threads: torch's default (--threads N pins them)"
+        user = os.environ.get("OMP_NUM_THREADS", "")
+        asked = int(user) if user.isdigit() and int(user) > 0 else 1
+    for name in THREAD_VARIABLES:
+        os.environ[name] = str(asked)
+    torch = sys.modules.get("torch")  # read at import: only an already imported torch is set
+    if torch is not None:
+        torch.set_num_threads(asked)
+    return f"threads: {asked} (torch, OpenMP; --threads N changes it)"
 
 
 def _device_file_name(device: Any) -> str:
@@ -128,7 +181,26 @@ def _suite_line(index: int, total: int, result: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The command: pins the timing threads for the run and gives the process its own
+    settings back afterwards (``main`` may be called in a process that goes on)."""
+    saved = {name: os.environ.get(name) for name in THREAD_VARIABLES}
+    torch = sys.modules.get("torch")
+    torch_threads = torch.get_num_threads() if torch is not None else None
+    try:
+        return _run(args)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
+    threads = _pin_threads(device, getattr(args, "threads", None))
     if args.plot is not None:
         require("matplotlib", "--plot")
     from jaxbuf import bench
@@ -138,31 +210,41 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise CliError(one_line(error)) from None
     runnable = [s for s in suites if s.skip_reason(device, interpreter=args.interpreter) is None]
-    if any(s.fresh_jax_allocations for s in runnable):
+    apart: list[str] = []
+    fresh = any(s.fresh_jax_allocations for s in runnable)
+    if fresh and "XLA_PYTHON_CLIENT_ALLOCATOR" not in os.environ:
         # Realloc baselines reallocate to sizes never allocated before: JAX must not serve
         # them from its pool (nor keep tens of GiB pooled for the suites after them), as
         # torch's cache is emptied between samples. Set before JAX starts (no suite has run
-        # yet); a user's setting wins. The JSON records it under "environment".
-        os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
-        _warn_of_shared_allocator(runnable)
+        # yet). The JSON records it under "environment".
+        os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
+        # The allocator is the process's: JAX hot paths timed under it would pay for a
+        # fresh device allocation per jitted call, which a JAX user never runs. They run in
+        # a child process of their own, under JAX's pool.
+        apart = _hot_jax_suites(runnable)
+    elif fresh:
+        _warn_of_shared_allocator(runnable)  # the user's own setting: said, not overridden
     # On a terminal the progress bar shows what runs and rich draws the tables; in a log or
     # a pipe, one line per suite as it ends, and plain-text tables.
     lines_per_suite = not sys.stdout.isatty()
     out = Printer(plain=lines_per_suite)
     for module, message in bench.load_errors.items():
-        print(
-            f"jaxbuf: warning: benchmark module {module} failed to import: {one_line(message)}",
-            file=sys.stderr,
-        )
+        warn(f"benchmark module {module} failed to import: {one_line(message)}")
+    children: dict[str, dict[str, Any]] = {}
     quick = " (quick: small sizes, targets not judged at quick sizes)" if args.quick else ""
     start_load = _one_minute_load()
     load = "" if start_load is None else f"; load {start_load:.1f} on {os.cpu_count()} cores"
-    out.line(f"jaxbuf bench on {device}{quick}: {len(suites)} suite(s){load}")
+    out.line(f"jaxbuf bench on {device}{quick}: {len(suites)} suite(s){load}; {threads}")
     interpreted = [s.name for s in runnable if s.uses_interpreter(device)]
     if interpreted:
         out.line(
             f"--interpreter: {', '.join(interpreted)} run under Triton's interpreter here, "
             f"{INTERPRETER_COST}; their figures time the interpreter and are never judged"
+        )
+    if apart:
+        out.line(
+            f"{', '.join(apart)} run in a process of their own, on JAX's own memory pool (the "
+            "other suites run JAX on its platform allocator: XLA_PYTHON_CLIENT_ALLOCATOR)"
         )
     out.line(RATIO_LINE)
 
@@ -172,7 +254,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         for index, suite in enumerate(suites, 1):
             progress.describe(suite.name)
-            results.append(_run_suite(suite, device, args, progress))
+            if suite.name in apart:
+                if not children:
+                    children.update(_run_apart(apart, device, args))
+                results.append({**children[suite.name], "suite": suite})
+            else:
+                results.append(_run_suite(suite, device, args, progress))
             progress.advance()
             if lines_per_suite:
                 out.line(_suite_line(index, len(suites), results[-1]), flush=True)
@@ -194,7 +281,11 @@ def run(args: argparse.Namespace) -> int:
             out.line()
             continue
         columns, cells, under = suite_table(result["rows"], device_name)
-        out.table(_suite_title(result), columns, cells, right=(1, 3, 4), under=under)
+        if lines_per_suite:  # a pipe or a log: two lines a row, within 120 columns
+            columns, cells, right = stacked_table(columns, cells)
+            out.table(_suite_title(result), columns, cells, right=right, under=under)
+        else:
+            out.table(_suite_title(result), columns, cells, right=(1, 3, 4), under=under)
         if result["skipped"] is not None:
             out.line(f"  {name} stopped early, skipped: {result['skipped']}")
         if result["error"]:
@@ -209,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
             "skipped": r["skipped"],
             "error": r["error"],
             "interpreter": r["interpreter"] and r["skipped"] is None,
+            "own_process": r["suite"].name in apart,
             "rows": [row.to_json() for row in r["rows"]],
         }
         for r in results
@@ -221,7 +313,11 @@ def run(args: argparse.Namespace) -> int:
         "interpreter": args.interpreter,
         "machine": machine(),
         "versions": versions(),
-        "environment": {k: v for k, v in os.environ.items() if k.startswith("XLA_PYTHON_")},
+        "environment": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith("XLA_PYTHON_") or k in THREAD_VARIABLES
+        },
         "ratio": f"median_s / baseline_median_s ({bench.RATIO}, lower is better)",
         "suites": serial,
         "load_errors": dict(bench.load_errors),
@@ -263,23 +359,83 @@ def _one_minute_load() -> float | None:
         return None
 
 
-def _warn_of_shared_allocator(suites: list) -> None:
-    """The allocator is the process's: JAX hot-path suites selected with a suite that needs
-    fresh allocations are timed under the platform allocator too (hundreds of µs a jitted
-    call on an H200), which a JAX user never runs. Say so, and how to time them apart."""
-    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") != "platform":
-        return
-    fresh = [s.name for s in suites if s.fresh_jax_allocations]
-    hot = [
+def _hot_jax_suites(suites: list) -> list[str]:
+    """The JAX hot-path suites among ``suites``: they need JAX and not fresh allocations."""
+    return [
         s.name
         for s in suites
         if "jax" in s.requires and not s.fresh_jax_allocations and s.missing_requirement() is None
     ]
+
+
+def _row_from_json(data: dict[str, Any]) -> Any:
+    """The :class:`~jaxbuf.bench.Row` that :meth:`~jaxbuf.bench.Row.to_json` wrote."""
+    import dataclasses
+
+    from jaxbuf.bench import Row
+
+    fields = {f.name for f in dataclasses.fields(Row)}
+    values = {k: v for k, v in data.items() if k in fields}
+    values["met"] = data.get("target_reached")
+    if values.get("spread") is not None:
+        values["spread"] = tuple(values["spread"])
+    return Row(**values)
+
+
+def _run_apart(names: list[str], device: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Run the suites ``names`` in a child ``jaxbuf bench`` under JAX's default allocator;
+    their results by name, as :func:`_run_suite` gives them (``"suite"`` left out). A child
+    that writes no result fails each of them with its last words."""
+    import json
+    import subprocess
+    import tempfile
+
+    environment = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_ALLOCATOR"}
+    with tempfile.TemporaryDirectory(prefix="jaxbuf-bench-") as directory:
+        path = Path(directory) / "apart.json"
+        command = [sys.executable, "-m", "jaxbuf", "bench", "--device", str(device)]
+        command += ["--json", str(path), "--only", *names]
+        command += ["--quick"] * args.quick + ["--interpreter"] * args.interpreter
+        if getattr(args, "threads", None) is not None:
+            command += ["--threads", str(args.threads)]
+        begin = time.perf_counter()
+        child = subprocess.run(command, env=environment, capture_output=True, text=True)
+        if not path.is_file():
+            words = one_line(child.stderr.strip().splitlines()[-1] if child.stderr else "")
+            error = f"its own process exited {child.returncode} without a result: {words}"
+            seconds = (time.perf_counter() - begin) / len(names)
+            return {
+                name: {"rows": [], "sizes": None, "error": error, "skipped": None,
+                       "seconds": seconds, "interpreter": False}
+                for name in names
+            }  # fmt: skip
+        document = json.loads(path.read_text(encoding="utf-8"))
+    return {
+        entry["name"]: {
+            "rows": [_row_from_json(row) for row in entry["rows"]],
+            "sizes": entry["sizes"],
+            "error": entry["error"],
+            "skipped": entry["skipped"],
+            "seconds": entry["seconds"],
+            "interpreter": entry["interpreter"],
+        }
+        for entry in document["suites"]
+    }
+
+
+def _warn_of_shared_allocator(suites: list) -> None:
+    """Where the user set ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` themselves, JAX hot-path
+    suites run in the one process under it (hundreds of µs a jitted call on an H200), which
+    a JAX user never runs: say so, and how to time them apart. (Left to the command, they
+    run in a process of their own.)"""
+    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") != "platform":
+        return
+    fresh = [s.name for s in suites if s.fresh_jax_allocations]
+    hot = _hot_jax_suites(suites)
     if hot:
-        print(
-            f"jaxbuf: warning: {', '.join(fresh)} run JAX on its platform allocator "
+        warn(
+            f"{', '.join(fresh)} run JAX on its platform allocator "
             f"(XLA_PYTHON_CLIENT_ALLOCATOR=platform), and so do {', '.join(hot)} in this run, "
             "slower than under JAX's own pool; for their figures run them apart: "
-            f"--only {' '.join(hot)}",
-            file=sys.stderr,
+            f"--only {' '.join(hot)}"
         )

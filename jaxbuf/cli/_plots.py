@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
+
+from ._shared import warn
 
 #: ``--plot`` given without a path: write ``results/growth-<device>.png``,
 #: ``results/decode-<device>.png`` and ``results/staged-<device>.png`` (those with rows).
@@ -143,11 +144,13 @@ def _save(plt: Any, figure: Any, path: Path, note: str = "") -> None:
     """Write ``figure`` to ``path`` as PNG (making its folder), then close it; ``note`` is
     printed under the axes (what a reader needs to read them right). The saved area grows
     to hold the legends beside the axes."""
+    # Room for a title over every panel, and for the note (about 0.6 in, whatever the height).
+    top = 1 - 0.35 / figure.get_figheight() if figure._suptitle is not None else 1
     if note:
         figure.text(0.02, 0.01, note, ha="left", va="bottom", fontsize=8, wrap=True)
-        figure.tight_layout(rect=(0, 0.06, 1, 1))
+        figure.tight_layout(rect=(0, min(0.06, 0.6 / figure.get_figheight()), 1, top))
     else:
-        figure.tight_layout()
+        figure.tight_layout(rect=(0, 0, 1, top))
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
@@ -279,13 +282,25 @@ def _has_growth_rows(results: list[dict[str, Any]]) -> bool:
 # -- decode -----------------------------------------------------------------------------------
 #: variant -> (label, colour, line width, z-order): jaxbuf above the baselines. A label's
 #: ``{framework}`` is the row's (``params["framework"]``: the suite's, jax.decode or
-#: torch.decode).
+#: torch.decode). Each framework's baselines have colours of their own
+#: (:data:`_DECODE_COLOURS`): one legend names the series of every panel, so a colour
+#: stands for one series.
 _DECODE_VARIANTS = {
     "jaxbuf": ("jaxbuf KV cache", JAXBUF_COLOUR, JAXBUF_STYLE["lw"], JAXBUF_ZORDER),
     "preallocated": ("{framework}, preallocated", "#1f77b4", BASELINE_LW, 4),
     "realloc": ("{framework}, realloc+copy", "#9467bd", 1.0, 5),
 }
+_DECODE_COLOURS = {
+    ("JAX", "preallocated"): "#1f77b4",  # blue
+    ("JAX", "realloc"): "#9467bd",  # purple
+    ("torch", "preallocated"): "#17becf",  # cyan
+    ("torch", "realloc"): "#ff7f0e",  # orange
+}
 _FRAMEWORK_NAMES = {"jax": "JAX", "torch": "torch"}
+#: The decode figure's panel size in inches (at 120 dpi: 600 x 336 px): two panels a row
+#: (memory, step time), one row per framework and length profile, so the figure stays
+#: under 2,000 px wide whatever ran.
+_DECODE_PANEL = (5.0, 2.8)
 
 
 def _decode_series(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -321,7 +336,9 @@ def _decode_look(variant: str, params: dict[str, Any]) -> tuple[str, str, float,
     label, colour, width, zorder = _DECODE_VARIANTS.get(
         variant, (variant, "#7f7f7f", BASELINE_LW, 3)
     )
-    return label.format(framework=_framework(params)), colour, width, zorder
+    framework = _framework(params)
+    colour = _DECODE_COLOURS.get((framework, variant), colour)
+    return label.format(framework=framework), colour, width, zorder
 
 
 def _granule_floor(params: dict[str, Any]) -> int | None:
@@ -417,22 +434,24 @@ def _plot_decode(results: list[dict[str, Any]], path: Path, device: Any) -> bool
 
     from jaxbuf.bench import format_bytes
 
-    columns = len(profiles)
-    figure, axes = plt.subplots(2, columns, figsize=(5.2 * columns, 7.5), squeeze=False)
-    for column, params in enumerate(profiles):
-        memory, time_axis = axes[0][column], axes[1][column]
+    # One row per profile, each framework's beside the other's: memory left, time right.
+    profiles.sort(key=lambda p: (p["profile"], _framework(p)))
+    width, height = _DECODE_PANEL
+    figure, axes = plt.subplots(
+        len(profiles), 2, figsize=(2 * width, height * len(profiles)), squeeze=False
+    )
+    for row, params in enumerate(profiles):
+        memory, time_axis = axes[row]
         _draw_decode_memory(memory, params)
         window = _draw_decode_time(time_axis, params)
-        what = f"{_framework(params)}, {params['profile']} lengths on {device}"
-        memory.set_title(f"{what}: KV cache memory")
-        time_axis.set_title(
-            f"{what}: step time\n(median of {window} steps around each)",
-            fontsize=10,
-        )
+        what = f"{_framework(params)}, {params['profile']} lengths"
+        memory.set_title(f"{what}: KV cache memory", fontsize=10)
+        time_axis.set_title(f"{what}: step time (median of {window} steps)", fontsize=10)
         for axis in (memory, time_axis):
-            axis.set_xlabel("decode step")
             axis.grid(True, which="both", alpha=0.3)
-    _legend_outside(axes[0][-1], _row_handles(axes[0]))
+            if row == len(profiles) - 1:
+                axis.set_xlabel("decode step")
+    figure.suptitle(f"Decode loops over a growing KV cache on {device}", fontsize=11)
     slowest = Line2D(
         [],
         [],
@@ -441,7 +460,9 @@ def _plot_decode(results: list[dict[str, Any]], path: Path, device: Any) -> bool
         color="#7f7f7f",
         label=f"each one's {SLOWEST_MARKED} slowest steps",
     )
-    _legend_outside(axes[1][-1], [*_row_handles(axes[1]), slowest])
+    # One legend for every panel (a colour is one series everywhere), beside the top row.
+    handles = _row_handles([axis for pair in axes for axis in pair])
+    _legend_outside(axes[0][-1], [*handles, slowest])
     granules = sorted({g for g in map(_granule_floor, profiles) if g})
     note = (
         "realloc+copy grows at jaxbuf's steps (where it holds what jaxbuf holds, its line "
@@ -563,6 +584,45 @@ def _plot_staged(results: list[dict[str, Any]], path: Path, device: Any) -> bool
 
 
 _PLOTTERS = {"growth": _plot_growth, "decode": _plot_decode, "staged": _plot_staged}
+#: The suites whose rows each plot draws.
+PLOTTED_SUITES = ("extensible.growth", "jax.decode", "torch.decode", "staged.patterns")
+
+
+def drawable_here(device: Any) -> tuple[list[str], dict[str, str]]:
+    """``(suites, why_not)``: the :data:`PLOTTED_SUITES` whose rows ``--plot`` can draw on
+    ``device`` here, and why each other one cannot (interpreter rows are never drawn)."""
+    from jaxbuf.bench import load_suites
+
+    suites = load_suites()
+    can, why_not = [], {}
+    for name in PLOTTED_SUITES:
+        suite = suites.get(name)
+        if suite is None:
+            why_not[name] = "not registered"
+        elif suite.uses_interpreter(device):
+            why_not[name] = "off a GPU its rows time Triton's interpreter, never drawn"
+        elif suite.skip_reason(device) is not None:
+            why_not[name] = suite.skip_reason(device)
+        else:
+            can.append(name)
+    return can, why_not
+
+
+def _nothing_to_plot(results: list[dict[str, Any]], device: Any) -> str:
+    """Why no plot was written, and which suites ``--plot`` can draw on ``device``."""
+    ran = {r["name"]: r for r in results}
+    can, why_not = drawable_here(device)
+    said = [
+        f"{name} was skipped ({why_not.get(name) or ran[name]['skipped']})"
+        for name in PLOTTED_SUITES
+        if name in ran and ran[name].get("skipped")
+    ]
+    text = "no rows to plot" + (f": {'; '.join(said)}" if said else "")
+    text += f". On {device}, --plot draws " + (", ".join(can) if can else "no suite")
+    cannot = [f"{name}: {why}" for name, why in why_not.items() if not any(name in s for s in said)]
+    if cannot:
+        text += f" (not {'; '.join(cannot)})"
+    return text
 
 
 def write_plots(
@@ -578,18 +638,13 @@ def write_plots(
     }
     interpreted = not present["staged"] and _interpreted_staged_rows(results)
     if interpreted:
-        print(
-            "jaxbuf: warning: staged.patterns not plotted: its rows time Triton's "
-            "interpreter, not jaxbuf (the table and the JSON keep them)",
-            file=sys.stderr,
+        warn(
+            "staged.patterns not plotted: its rows time Triton's interpreter, not jaxbuf "
+            "(the table and the JSON keep them)"
         )
     kinds = [kind for kind, has_rows in present.items() if has_rows]
     if not kinds and not interpreted:
-        print(
-            "jaxbuf: warning: no rows to plot (run the extensible.growth, jax.decode or "
-            "staged.patterns suite)",
-            file=sys.stderr,
-        )
+        warn(_nothing_to_plot(results, device))
     return [
         path
         for kind, path in _plot_paths(plot, device_name, kinds).items()

@@ -29,6 +29,48 @@ def _note_parts(row: Any) -> list[str]:
     return parts + [part.strip() for part in row.notes.split("; ") if part.strip()]
 
 
+#: The longest row or baseline name in a table; the rest of a longer one is a footnote.
+NAME_WIDTH = 60
+#: Kinds of baseline whose names say unambiguously that a row measures a baseline itself
+#: (``"seed-style: grow at 10,000 granules"``), not jaxbuf.
+_BASELINE_ONLY_KINDS = ("seed-style", "realloc+copy", "preallocated", "floor")
+
+
+def short_name(name: str, width: int = NAME_WIDTH) -> tuple[str, str]:
+    """``(name for the table, details for a footnote)``: a name of at most ``width``
+    characters is whole; a longer one is cut before its first parenthesis or comma that
+    leaves a name of its own, and the footnote says the rest (or, with nowhere to cut,
+    the whole name)."""
+    if len(name) <= width:
+        return name, ""
+    for separator in (" (", " [", ", ", ": "):
+        cut = name.find(separator, 12)
+        while 0 < cut <= width and _depth(name[:cut]):  # never inside brackets: a.at[r, c]
+            cut = name.find(separator, cut + 1)
+        if 0 < cut <= width:
+            head, rest = name[:cut], name[cut + len(separator) :].strip()
+            if separator == " (" and rest.endswith(")"):
+                rest = rest[:-1]
+            return head, f"{head}: {rest}"
+    cut = name.rfind(" ", 12, width - 1)
+    head = name[: cut if cut > 0 else width - 1] + "…"
+    return head, f"{head} is {name}"
+
+
+def _depth(text: str) -> int:
+    """How many brackets (round or square) are open at the end of ``text``."""
+    return sum(text.count(o) - text.count(c) for o, c in ("()", "[]"))
+
+
+def measures_jaxbuf(row: Any) -> bool:
+    """Whether the row's ratio is jaxbuf ÷ baseline: not when the row measures a baseline
+    against itself at another size (a seed-style scaling, say)."""
+    from jaxbuf.bench import baseline_kind
+
+    kind = baseline_kind(row.name)
+    return not (kind in _BASELINE_ONLY_KINDS and kind == baseline_kind(row.baseline_name))
+
+
 def _is_time_target(target: str) -> bool:
     return any(target.rstrip().endswith(unit) for unit in _TIME_UNITS)
 
@@ -73,7 +115,7 @@ def verdict_cell(row: Any, device: str, footnotes: Footnotes) -> str:
     reason = row.not_judged_reason
     if reason == row.not_judged_here:
         return "not judged here" + footnotes.mark([f"not judged on {device}: {reason}"])
-    if reason == "within the spread":
+    if reason == "too close to call" and row.spread is not None:
         return f"not judged: spread {format_spread(row)}"
     return f"not judged: {reason}"
 
@@ -92,13 +134,20 @@ def suite_table(rows: list[Any], device: str) -> tuple[list[str], list[list[str]
     columns = ["name", "median", "baseline", "baseline median", RATIO_COLUMN, "target", "verdict"]
     cells = []
     for row, notes in zip(rows, parts):
-        name = row.name + footnotes.mark([n for n in notes if n not in shared])
-        measured = format_seconds(row.median_s) if row.median_s is not None else row.value
+        name, name_detail = short_name(row.name)
+        baseline, baseline_detail = short_name(row.baseline_name)
         ratio = row.ratio
+        extra = [text for text in (name_detail, baseline_detail) if text]
+        if ratio is not None and not measures_jaxbuf(row):
+            # The ratio column holds jaxbuf ÷ baseline only; a baseline's own scaling is told.
+            extra.append(f"{row.name} ÷ {row.baseline_name}: {ratio:,.3g}x (not jaxbuf)")
+            ratio = None
+        name += footnotes.mark(extra + [n for n in notes if n not in shared])
+        measured = format_seconds(row.median_s) if row.median_s is not None else row.value
         line = [
             name,
             measured or "—",
-            row.baseline_name or "—",
+            baseline or "—",
             format_seconds(row.baseline_median_s) if row.baseline_name else "",
             "" if ratio is None else f"{ratio:,.3g}x",
             row.target,
@@ -118,6 +167,37 @@ def suite_table(rows: list[Any], device: str) -> tuple[list[str], list[list[str]
     if shared:
         under += [f"  every row: {'; '.join(shared)}"]
     return columns, cells, under
+
+
+def stacked_table(
+    columns: list[str], cells: list[list[str]]
+) -> tuple[list[str], list[list[str]], tuple[int, ...]]:
+    """:func:`suite_table`'s table in two lines a row, for a pipe or a log (120 columns):
+    the row's name, median, ratio and verdict, then ``vs <baseline>``, its median and the
+    target under them. ``(columns, cells, right-aligned column indices)``."""
+    at = {name: i for i, name in enumerate(columns)}
+    device = "device time" in at
+    head = ["name, vs baseline", "median", RATIO_COLUMN, "verdict, target"]
+    if device:
+        head[2:2] = ["device time"]
+    stacked = []
+    for row in cells:
+        first = [row[at["name"]], row[at["median"]], row[at[RATIO_COLUMN]], row[at["verdict"]]]
+        baseline, target = row[at["baseline"]], row[at["target"]]
+        second = [
+            "  vs " + baseline if baseline != "—" else "",
+            row[at["baseline median"]],
+            "",
+            target,
+        ]
+        if device:
+            first[2:2] = [row[at["device time"]]]
+            second[2:2] = [row[at["baseline device time"]]]
+        stacked.append(first)
+        if any(second):
+            stacked.append(second)
+    right = (1, 2, 3) if device else (1, 2)
+    return head, stacked, right
 
 
 def verdict_counts(rows: list[Any]) -> str:

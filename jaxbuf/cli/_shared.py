@@ -9,6 +9,7 @@ import importlib.util
 import os
 import platform
 import sys
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,11 +31,73 @@ class CliError(Exception):
     """An error the user can fix (bad device, missing framework): one line, exit 2."""
 
 
+#: The widest line printed where stdout is not a terminal (a pipe, a log, ``| less``).
+PIPE_WIDTH = 120
+
+
+def wrap_line(text: str, width: int = PIPE_WIDTH) -> list[str]:
+    """``text`` in lines of at most ``width`` characters, broken between words; the lines
+    after the first are indented 4 more than the first (a footnote's continuation)."""
+    if len(text) <= width:
+        return [text]
+    indent = " " * (len(text) - len(text.lstrip(" ")) + 4)
+    return textwrap.wrap(
+        text,
+        width=width,
+        subsequent_indent=indent,
+        break_on_hyphens=False,
+        drop_whitespace=True,
+    ) or [text[:width]]
+
+
+def warn(text: str) -> None:
+    """``jaxbuf: warning: <text>`` on stderr, wrapped at :data:`PIPE_WIDTH` where stderr is
+    not a terminal."""
+    line = f"jaxbuf: warning: {text}"
+    lines = [line] if sys.stderr.isatty() else wrap_line(line)
+    print("\n".join(lines), file=sys.stderr)
+
+
+def _fit_columns(
+    columns: Sequence[str], rows: Sequence[Sequence[str]], limit: int, right: set[int]
+) -> list[int]:
+    """Column widths for a plain table of at most ``limit`` characters (two spaces between
+    columns). Numeric columns (``right``) keep their figures whole and wrap their header;
+    then the widest text column gives a character at a time, the first (the row name) down
+    to 36, the last (a verdict) to 30, the others to 12."""
+    cells = [[str(c) for c in column] for column in zip(columns, *rows)]
+    widths = [max(map(len, column)) for column in cells]
+    last = len(widths) - 1
+    floors = []
+    for i, column in enumerate(cells):
+        header_word = max((len(w) for w in column[0].split()), default=0)
+        if i in right:
+            floors.append(max([header_word, *map(len, column[1:])]))
+        elif i == last:  # a verdict stays whole; a long target under it wraps
+            floors.append(min(widths[i], 30))
+        else:
+            floors.append(min(widths[i], max(header_word, 36 if i == 0 else 12)))
+    # Numbers first: their headers wrap and nothing else moves.
+    for i in right:
+        if sum(widths) + 2 * last <= limit:
+            break
+        widths[i] = max(floors[i], widths[i] - (sum(widths) + 2 * last - limit))
+    while sum(widths) + 2 * last > limit:
+        shrinkable = [i for i, w in enumerate(widths) if w > floors[i]]
+        if not shrinkable:
+            break
+        widths[max(shrinkable, key=lambda i: widths[i])] -= 1
+    return widths
+
+
 class Printer:
     """Tables and lines through rich when it is installed, plain text otherwise (or when
-    ``plain``: a log reads better without box drawing)."""
+    ``plain``: a log reads better without box drawing). Where stdout is not a terminal no
+    line is wider than :data:`PIPE_WIDTH`: long lines wrap between words, a wide table's
+    text columns wrap inside their cells."""
 
     def __init__(self, *, plain: bool = False) -> None:
+        self.width = None if sys.stdout.isatty() else PIPE_WIDTH
         try:
             if plain:
                 raise ImportError("plain text asked for")
@@ -42,19 +105,18 @@ class Printer:
         except ImportError:
             self.console = None
         else:
-            # Not a terminal (a pipe, a log): wide enough that tables are not wrapped.
-            width = None if sys.stdout.isatty() else 160
-            self.console = rich.console.Console(width=width, highlight=False)
+            self.console = rich.console.Console(width=self.width, highlight=False)
 
     def line(self, text: str = "", *, flush: bool = False) -> None:
         """Print ``text``; ``flush``: at once, even into a pipe or a log."""
+        lines = [text] if self.width is None else wrap_line(text, self.width)
         if self.console is not None:
-            # A line is never wrapped: a log keeps one suite per line.
-            self.console.print(text, markup=False, soft_wrap=True)
+            for part in lines:
+                self.console.print(part, markup=False, soft_wrap=True)
             if flush:
                 self.console.file.flush()
         else:
-            print(text, flush=flush)
+            print("\n".join(lines), flush=flush)
 
     def table(
         self,
@@ -86,16 +148,27 @@ class Printer:
             self.line()
             return
         widths = [max(len(str(c)) for c in column) for column in zip(columns, *rows)]
-        print(title)
+        if self.width is not None:
+            widths = _fit_columns(columns, rows, self.width, set(right))
+        self.line(title)
         header = [columns, ["-" * w for w in widths]] if show_header else []
         for cells in (*header, *rows):
-            padded = (
-                str(c).rjust(w) if i in right else str(c).ljust(w)
-                for i, (c, w) in enumerate(zip(cells, widths))
-            )
-            print("  ".join(padded).rstrip())
+            wrapped = [
+                textwrap.wrap(str(c), w, break_on_hyphens=False) or [""]
+                if len(str(c)) > w
+                else [str(c)]
+                for c, w in zip(cells, widths)
+            ]
+            for depth in range(max(map(len, wrapped))):
+                padded = (
+                    (lines[depth] if depth < len(lines) else "").rjust(w)
+                    if i in right
+                    else (lines[depth] if depth < len(lines) else "").ljust(w)
+                    for i, (lines, w) in enumerate(zip(wrapped, widths))
+                )
+                print("  ".join(padded).rstrip())
         for text in under:
-            print(text)
+            self.line(text)
         print()
 
 
@@ -207,7 +280,9 @@ def resolve_device(spec: str | None) -> Any:
         device = default_device() if spec is None else as_device(spec)
         get_vmm_driver(device)
     except (ValueError, TypeError, RuntimeError) as error:
-        raise CliError(one_line(error)) from None
+        # The driver's advice is worded for the Python API; here the same choice is the option.
+        message = one_line(error).replace('Use device="cpu"', "Use --device cpu")
+        raise CliError(message) from None
     return device
 
 

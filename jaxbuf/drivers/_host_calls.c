@@ -117,7 +117,204 @@ static PyObject *copy_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+/* -- a segmentation fault that explains itself ---------------------------------------------
+ *
+ * The CPU driver maps every uncommitted byte of a reservation read-only (a write faults) and
+ * parks a freed reservation PROT_NONE (any access faults): a view or raw pointer that outlives
+ * its memory ends the process with SIGSEGV. The driver tells this table about each
+ * reservation as it changes; a SIGSEGV handler, installed at the first reservation, looks the
+ * faulting address up and writes one line naming jaxbuf, the reservation and the likely cause
+ * to stderr, then hands the signal on unchanged: to the handler that was there before it
+ * (faulthandler's traceback, a runtime's own handler) or, where that was the default, to the
+ * default (the process dies of SIGSEGV as before). It never swallows a fault.
+ *
+ * The table is fixed-size static memory; the handler only reads it and calls write(2),
+ * sigaction(2) and raise(3), which are async-signal-safe. The driver writes it with the GIL
+ * held; an entry is published last (its `state` stored with release order) and withdrawn first,
+ * so a fault in another thread during an update reads, at worst, a stale entry: a wrong
+ * hint, never a crash. A fault at an address no entry covers passes on without a word. */
+#include <signal.h>
+#include <unistd.h>
+
+enum { WATCH_RESERVED = 1, WATCH_RELEASED = 2, WATCH_FREED = 4 };
+#define WATCH_SLOTS 4096
+
+typedef struct {
+    uintptr_t start, end;
+    int state; /* 0: slot free; else WATCH_* bits, published last */
+} watched_t;
+
+static watched_t watched[WATCH_SLOTS];
+static struct sigaction previous_segv;
+static int segv_installed;
+
+static void put_text(char *buffer, size_t *at, size_t cap, const char *text) {
+    while (*text && *at + 1 < cap) buffer[(*at)++] = *text++;
+}
+
+static void put_hex(char *buffer, size_t *at, size_t cap, uintptr_t value) {
+    char digits[2 + 2 * sizeof value];
+    int n = 0;
+    do {
+        digits[n++] = "0123456789abcdef"[value & 15];
+        value >>= 4;
+    } while (value && n < (int)sizeof digits);
+    put_text(buffer, at, cap, "0x");
+    while (n && *at + 1 < cap) buffer[(*at)++] = digits[--n];
+}
+
+static volatile sig_atomic_t handling;
+
+static void explain_segv(int signum, siginfo_t *info, void *context) {
+    /* Entered again while handing a fault on (a handler we chained to restored this one
+     * and raised the signal): the default, at once. */
+    if (handling) {
+        signal(signum, SIG_DFL);
+        raise(signum);
+        return;
+    }
+    handling = 1;
+    /* si_code > 0: the kernel raised it for this access, and si_addr is the address. */
+    if (info != NULL && info->si_code > 0) {
+        uintptr_t address = (uintptr_t)info->si_addr;
+        for (int i = 0; i < WATCH_SLOTS; i++) {
+            int state = __atomic_load_n(&watched[i].state, __ATOMIC_ACQUIRE);
+            if (!state || address < watched[i].start || address >= watched[i].end) continue;
+            char line[512];
+            size_t at = 0;
+            put_text(line, &at, sizeof line, "jaxbuf: segmentation fault at ");
+            put_hex(line, &at, sizeof line, address);
+            put_text(line, &at, sizeof line, ", inside the jaxbuf reservation ");
+            put_hex(line, &at, sizeof line, watched[i].start);
+            put_text(line, &at, sizeof line, "-");
+            put_hex(line, &at, sizeof line, watched[i].end);
+            if (state & WATCH_FREED)
+                put_text(line, &at, sizeof line,
+                         " (CPU driver), freed: likely a view or raw pointer used after free()");
+            else if (state & WATCH_RELEASED)
+                put_text(line, &at, sizeof line,
+                         " (CPU driver), not committed there: likely a write through a view "
+                         "after release_physical(), a shrink or a defragment, or past the committed "
+                         "bytes");
+            else
+                put_text(line, &at, sizeof line,
+                         " (CPU driver), not committed there: likely a write past the "
+                         "committed bytes (uncommitted memory reads zeros, a write faults)");
+            put_text(line, &at, sizeof line, "\n");
+            ssize_t written = write(2, line, at);
+            (void)written;
+            break;
+        }
+    }
+    /* Hand the signal on unchanged. */
+    if (previous_segv.sa_flags & SA_SIGINFO) {
+        if (previous_segv.sa_sigaction != NULL) {
+            previous_segv.sa_sigaction(signum, info, context);
+            return;
+        }
+    } else if (previous_segv.sa_handler != SIG_DFL && previous_segv.sa_handler != SIG_IGN) {
+        previous_segv.sa_handler(signum);
+        return;
+    }
+    /* The default (or SIG_IGN, which the kernel overrides for a fault): restore it; the
+     * access faults again on return and the process dies of SIGSEGV as without this handler.
+     * A raised signal (si_code <= 0) is not re-delivered on return: raise it again. */
+    sigaction(signum, &previous_segv, NULL);
+    if (info == NULL || info->si_code <= 0) raise(signum);
+}
+
+/* Installed at the first reservation, and again on top whenever another handler has taken
+ * SIGSEGV since (faulthandler.enable() after the first buffer): a handler installed later
+ * would run first and end the process before the hint, so each change to a reservation puts
+ * this one back in front, handing on to that one. Between such a change and a fault the
+ * later handler runs alone: its own report, without the line. */
+static void install_segv_handler(void) {
+    struct sigaction current;
+    if (segv_installed && sigaction(SIGSEGV, NULL, &current) == 0 &&
+        (current.sa_flags & SA_SIGINFO) && current.sa_sigaction == explain_segv)
+        return;
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_sigaction = explain_segv;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&action.sa_mask);
+    struct sigaction before;
+    if (sigaction(SIGSEGV, &action, &before) == 0) {
+        previous_segv = before;
+        segv_installed = 1;
+    }
+}
+
+static int parse_range(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected,
+                       const char *name, uintptr_t *start, uintptr_t *end) {
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", name, expected, nargs);
+        return -1;
+    }
+    unsigned long long ptr = PyLong_AsUnsignedLongLong(args[0]);
+    if (ptr == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    unsigned long long size = PyLong_AsUnsignedLongLong(args[1]);
+    if (size == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    if (size == 0 || ptr + size < ptr) {
+        PyErr_Format(PyExc_ValueError, "%s: bad range ptr=%llu size=%llu", name, ptr, size);
+        return -1;
+    }
+    *start = (uintptr_t)ptr;
+    *end = (uintptr_t)(ptr + size);
+    return 0;
+}
+
+/* watch_reservation(ptr, size) -> None: a new reservation (uncommitted: a write faults).
+ * Entries it overlaps (an earlier, freed reservation at the same addresses) are dropped. A
+ * full table drops the oldest freed entry; with none, the reservation goes unwatched. */
+static PyObject *watch_reservation(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    uintptr_t start, end;
+    if (parse_range(args, nargs, 2, "watch_reservation", &start, &end) < 0) return NULL;
+    int slot = -1, freed = -1;
+    for (int i = 0; i < WATCH_SLOTS; i++) {
+        int state = watched[i].state;
+        if (state && watched[i].start < end && start < watched[i].end) {
+            __atomic_store_n(&watched[i].state, 0, __ATOMIC_RELEASE);
+            state = 0;
+        }
+        if (!state && slot < 0) slot = i;
+        if ((state & WATCH_FREED) && freed < 0) freed = i;
+    }
+    if (slot < 0) slot = freed;
+    if (slot >= 0) {
+        __atomic_store_n(&watched[slot].state, 0, __ATOMIC_RELEASE);
+        watched[slot].start = start;
+        watched[slot].end = end;
+        __atomic_store_n(&watched[slot].state, WATCH_RESERVED, __ATOMIC_RELEASE);
+        install_segv_handler();
+    }
+    Py_RETURN_NONE;
+}
+
+/* mark_reservation(ptr, size, state) -> None: add WATCH_* bits to the reservation holding
+ * [ptr, ptr + size): 2 when a range of it is unmapped, 4 when it is freed. */
+static PyObject *mark_reservation(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    uintptr_t start, end;
+    if (parse_range(args, nargs, 3, "mark_reservation", &start, &end) < 0) return NULL;
+    long bits = PyLong_AsLong(args[2]);
+    if (bits == -1 && PyErr_Occurred()) return NULL;
+    for (int i = 0; i < WATCH_SLOTS; i++) {
+        int state = watched[i].state;
+        if (state && watched[i].start <= start && end <= watched[i].end) {
+            __atomic_store_n(&watched[i].state, state | (int)bits, __ATOMIC_RELEASE);
+            install_segv_handler();
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef host_calls_methods[] = {
+    {"watch_reservation", (PyCFunction)(void (*)(void))watch_reservation, METH_FASTCALL,
+     "watch_reservation(ptr, size) -> None: a SIGSEGV inside it names jaxbuf and the cause"},
+    {"mark_reservation", (PyCFunction)(void (*)(void))mark_reservation, METH_FASTCALL,
+     "mark_reservation(ptr, size, bits) -> None: 2: a range of it was unmapped; 4: freed"},
     {"copy_batch", (PyCFunction)(void (*)(void))copy_batch, METH_FASTCALL,
      "copy_batch(dsts, srcs, sizes) -> None: memmove of each (dst, src, size) of three 1-D "
      "uint64 arrays, in order, with the GIL released"},
@@ -126,7 +323,7 @@ static PyMethodDef host_calls_methods[] = {
 
 static struct PyModuleDef host_calls_module = {
     PyModuleDef_HEAD_INIT, "_host_calls",
-    "The CPU driver's batched copy, made from C with the GIL released.", -1, host_calls_methods,
+    "The CPU driver's batched copy (GIL released), and the hint a SIGSEGV in a reservation prints.", -1, host_calls_methods,
 };
 
 PyMODINIT_FUNC PyInit__host_calls(void) { return PyModule_Create(&host_calls_module); }
