@@ -266,7 +266,9 @@ def test_kv_cache_transfer_rows_are_well_formed(kv_cache_rows):
         assert row.ratio == pytest.approx(row.median_s / row.baseline_median_s)
         assert params["gbps"] == pytest.approx(moved / row.median_s / 1e9)
         if row.baseline_name.startswith("floor, contiguous:"):
-            assert "np.copyto" in row.baseline_name and not row.target
+            # The CPU's physical floor, one contiguous memcpy: 0.8x its bandwidth is a target.
+            assert "np.copyto" in row.baseline_name
+            assert row.target.startswith("<= 1.25x") and row.limit == pytest.approx(1.25)
         if row.baseline_name.startswith("floor:"):
             assert row.baseline_median_s == floor.median_s
             # Bytes between two processes do not move many times faster than one process's
@@ -309,7 +311,7 @@ def test_kv_cache_counts_threads_and_descriptors_of_each_process(kv_cache_rows):
 
 
 _COUNTS_CHILD = """
-import os, threading
+import os, threading, time
 from jaxbuf.bench._kv_cache_peer import process_counts
 before = process_counts()
 started, stop = threading.Event(), threading.Event()
@@ -322,7 +324,12 @@ stop.set()
 thread.join()
 os.close(read)
 os.close(write)
-print(before, during, process_counts())
+# join() returns before the kernel has reaped the thread: give it a moment to leave the list.
+deadline, after = time.monotonic() + 10, process_counts()
+while after != before and time.monotonic() < deadline:
+    time.sleep(0.01)
+    after = process_counts()
+print(before, during, after)
 """
 
 
