@@ -1,6 +1,7 @@
-"""The transfer benchmark suites (``jaxbuf.bench.transfer``), run quickly on the CPU: the two
-processes are started and always ended, every row is well-formed against a baseline measured
-in the same run, says which transport moved the bytes, and the floor is there."""
+"""The transfer benchmark suites (``jaxbuf.bench.transfer``, ``jaxbuf.bench.transfer_kv_cache``),
+run quickly on the CPU: the two processes are started and always ended, every row is
+well-formed against a baseline measured in the same run, says which transport moved the bytes,
+and the floor is there."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ _SUBJECTS = {
 
 
 def _peer_processes() -> list[int]:
-    """Processes of ``jaxbuf.bench._transfer_peer`` started by this one, still alive."""
+    """Processes of ``jaxbuf.bench._transfer_peer`` (or of ``_kv_cache_peer``, its cache
+    sides) started by this one, still alive."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -41,7 +43,8 @@ def _peer_processes() -> list[int]:
         except OSError:
             continue
         parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == os.getpid() and b"_transfer_peer" in command:
+        peer = b"_transfer_peer" in command or b"_kv_cache_peer" in command
+        if parent == os.getpid() and peer:
             found.append(int(entry.name))
     return found
 
@@ -263,7 +266,9 @@ def test_kv_cache_transfer_rows_are_well_formed(kv_cache_rows):
         assert row.ratio == pytest.approx(row.median_s / row.baseline_median_s)
         assert params["gbps"] == pytest.approx(moved / row.median_s / 1e9)
         if row.baseline_name.startswith("floor, contiguous:"):
-            assert "np.copyto" in row.baseline_name and not row.target
+            # The CPU's physical floor, one contiguous memcpy: 0.8x its bandwidth is a target.
+            assert "np.copyto" in row.baseline_name
+            assert row.target.startswith("<= 1.25x") and row.limit == pytest.approx(1.25)
         if row.baseline_name.startswith("floor:"):
             assert row.baseline_median_s == floor.median_s
             # Bytes between two processes do not move many times faster than one process's
@@ -306,8 +311,8 @@ def test_kv_cache_counts_threads_and_descriptors_of_each_process(kv_cache_rows):
 
 
 _COUNTS_CHILD = """
-import os, threading
-from jaxbuf.bench._transfer_peer import process_counts
+import os, threading, time
+from jaxbuf.bench._kv_cache_peer import process_counts
 before = process_counts()
 started, stop = threading.Event(), threading.Event()
 thread = threading.Thread(target=lambda: (started.set(), stop.wait()))
@@ -319,7 +324,12 @@ stop.set()
 thread.join()
 os.close(read)
 os.close(write)
-print(before, during, process_counts())
+# join() returns before the kernel has reaped the thread: give it a moment to leave the list.
+deadline, after = time.monotonic() + 10, process_counts()
+while after != before and time.monotonic() < deadline:
+    time.sleep(0.01)
+    after = process_counts()
+print(before, during, after)
 """
 
 
@@ -343,7 +353,7 @@ def test_process_counts_follows_the_process():
 def test_request_blocks_are_scattered_on_both_sides():
     import numpy as np
 
-    from jaxbuf.bench._transfer_peer import _request_blocks
+    from jaxbuf.bench._kv_cache_peer import _request_blocks
 
     for count, capacity in ((1, 2), (8, 16), (128, 256), (30, 101)):
         for blocks in _request_blocks(np, count, capacity):
@@ -358,7 +368,7 @@ def test_request_blocks_are_scattered_on_both_sides():
 def test_kv_cache_rows_without_nixl_keep_its_rows_with_the_reason():
     """Where NIXL does not import, its rows stay, with no figure and the reason, and the
     same-host transport is still measured against the floor and judged."""
-    from jaxbuf.bench.transfer import _kv_cache_rows
+    from jaxbuf.bench.transfer_kv_cache import _kv_cache_rows
 
     reason = "not measured: NIXL is not importable (nixl: No module named 'nixl')"
     params = {"layers": 2, "blocks": 4, "bytes": 2 * 2 * 4 * _KV_BLOCK, "processes": 2}
@@ -399,7 +409,7 @@ def test_kv_cache_rows_without_nixl_keep_its_rows_with_the_reason():
 def test_kv_cache_without_nixl_in_the_processes_measures_the_rest(tmp_path, monkeypatch):
     """Two real processes where NIXL does not import: the NIXL rows say why, the same-host
     transport and the floor are measured, and both processes end."""
-    from jaxbuf.bench.transfer import kv_cache_rows
+    from jaxbuf.bench.transfer_kv_cache import kv_cache_rows
 
     for module in ("nixl", "nixl_cu12", "nixl_cu13"):
         (tmp_path / module).mkdir()
