@@ -68,11 +68,18 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import pkgutil
-import re
-import statistics
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from jaxbuf.bench._verdict import (
+    NOT_JUDGED,
+    TOLERANCE,
+    is_time_target,
+    parse_target,
+    ratio_spread,
+    time_spread,
+)
 
 __all__ = [
     "BASELINE_KINDS",
@@ -182,9 +189,9 @@ class Row:
         if self.limit is not None:
             if self.spread is not None:
                 return self.limit, self.spread
-            value = self.ratio if not _is_time_target(self.target) else self.median_s
+            value = self.ratio if not is_time_target(self.target) else self.median_s
             return None if value is None else (self.limit, (value, value))
-        parsed = _parse_target(self.target)
+        parsed = parse_target(self.target)
         if parsed is None:
             return None
         limit, is_time = parsed
@@ -261,44 +268,6 @@ class Row:
         return data
 
 
-#: What each :attr:`Row.not_judged_reason` key means, for the closing tally's reader. A
-#: reason that is not a key is a :attr:`Row.not_judged_here`, which says it in full.
-NOT_JUDGED = {
-    "quick sizes": "targets are set for full sizes (--quick measures small ones)",
-    "interpreter": "Triton's interpreter times the interpreter, not jaxbuf",
-    "baseline not measured": "its baseline could not run here, so there is nothing to compare",
-    "not measured": "the row's own measurement could not run here",
-    "too close to call": "the bound lies inside the run's interquartile spread widened by "
-    "±10% (how far a rerun moves on a shared machine): a rerun could land on either side",
-}
-
-#: How far a rerun may move a figure, relative: a target is judged only when the judged
-#: quantity's interquartile spread in this run, widened by this much on each side, lies on
-#: one side of its bound. Baseline and jaxbuf are sampled round by round where a suite can
-#: (:func:`jaxbuf.bench._timing.round_by_round`), so drift of the machine falls on both; the
-#: tolerance covers what one run's spread cannot show (the next run's load, memory layout).
-#: On a shared 2-core machine reruns of the CPU suites moved most ratios by under 10%.
-TOLERANCE = 0.10
-
-_TIME_UNITS = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
-_TARGET = re.compile(r"<=\s*([0-9.]+)\s*(x|ns|µs|us|ms|s)(?:\s|$)")
-
-
-def _is_time_target(target: str) -> bool:
-    parsed = _parse_target(target)
-    return parsed is not None and parsed[1]
-
-
-def _parse_target(target: str) -> tuple[float, bool] | None:
-    """``"<= 1.2x the floor" -> (1.2, False)``, ``"<= 2 µs" -> (2e-06, True)``: the bound
-    and whether it is a time; None for a target of another form (a memory bound)."""
-    match = _TARGET.match(target.strip())
-    if match is None:
-        return None
-    number, unit = float(match.group(1)), match.group(2)
-    return (number, False) if unit == "x" else (number * _TIME_UNITS[unit], True)
-
-
 #: The kinds of baseline, by the words a baseline's name starts with (:func:`baseline_kind`),
 #: and what each one is. The command prints those a run used, as a legend.
 BASELINE_KINDS = {
@@ -360,37 +329,6 @@ def baseline_kind(baseline_name: str) -> str:
         if lowered.startswith(prefix):
             return kind
     return "other"
-
-
-def _quartiles(samples: Sequence[float]) -> tuple[float, float]:
-    """The first and third quartiles of ``samples`` (both the sample for one sample)."""
-    if not samples:
-        raise ValueError("no samples")
-    if len(samples) == 1:
-        return samples[0], samples[0]
-    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
-    return q1, q3
-
-
-def time_spread(samples: Sequence[float]) -> tuple[float, float]:
-    """The interquartile range of a time's samples: where a repeat's median may fall."""
-    return _quartiles(samples)
-
-
-def ratio_spread(
-    samples: Sequence[float], baseline_samples: Sequence[float], *, paired: bool = False
-) -> tuple[float, float]:
-    """The range of jaxbuf ÷ baseline a repeat may give. ``paired``: the samples were taken
-    round by round (:func:`jaxbuf.bench._timing.round_by_round`), so the i-th of each shares
-    the machine's state: the quartiles of the per-round ratios. Otherwise the ratio of the
-    quartiles, crossed (jaxbuf's low over the baseline's high, and the reverse)."""
-    if paired:
-        if len(samples) != len(baseline_samples):
-            raise ValueError("paired samples must be as many on both sides")
-        return _quartiles([a / b for a, b in zip(samples, baseline_samples)])
-    low, high = _quartiles(samples)
-    baseline_low, baseline_high = _quartiles(baseline_samples)
-    return low / baseline_high, high / baseline_low
 
 
 @dataclass(frozen=True)

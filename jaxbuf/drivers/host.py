@@ -74,6 +74,7 @@ from jaxbuf.drivers._posix import (
     munmap_or_raise,
     typed_libc,
 )
+from jaxbuf.drivers._segv_hint import FREED, UNMAPPED, watch
 from jaxbuf.drivers.base import (
     K_DL_CPU,
     DriverError,
@@ -88,23 +89,6 @@ except ImportError:
     _host_calls = None
 
 __all__ = ["HostChunk", "HostVmmDriver"]
-
-# What the SIGSEGV hint says a reservation went through (jaxbuf/drivers/_host_calls.c).
-_UNMAPPED, _FREED = 2, 4
-
-
-def _watch(ptr: int, size: int, bits: int = 0) -> None:
-    """Tell the SIGSEGV hint (``_host_calls``) of a new reservation (``bits=0``) or of what
-    befell one (:data:`_UNMAPPED`, :data:`_FREED`): a fault inside it then prints one line
-    naming jaxbuf, the reservation and the likely cause before the usual handler runs. A
-    hint only: without the optional extension a fault is the bare ``SIGSEGV`` it was."""
-    if _host_calls is None:
-        return
-    if bits:
-        _host_calls.mark_reservation(ptr, size, bits)
-    else:
-        _host_calls.watch_reservation(ptr, size)
-
 
 # Linux values; Python's mmap module exports none of PROT_NONE, MAP_FIXED, MAP_NORESERVE.
 _PROT_NONE = 0
@@ -248,7 +232,7 @@ class HostVmmDriver(VmmDriver):
             raise DriverError("reserve", "EINVAL", size=size, alignment=alignment)
         if alignment <= mmap.PAGESIZE:
             base = self._reserve_address_space(size, alignment)
-            _watch(base, size)
+            watch(base, size)
             return base
         # mmap only promises page alignment: over-reserve, then trim both ends.
         padded = size + alignment - mmap.PAGESIZE
@@ -262,7 +246,7 @@ class HostVmmDriver(VmmDriver):
         except DriverError:
             munmap_or_raise(raw, padded)  # unmapping already-trimmed pieces is harmless
             raise
-        _watch(base, size)
+        watch(base, size)
         return base
 
     def _reserve_address_space(self, size: int, alignment: int) -> int:
@@ -289,7 +273,7 @@ class HostVmmDriver(VmmDriver):
 
     def free_reserved(self, ptr: int, size: int) -> None:
         check_args("munmap", size, ptr)
-        _watch(ptr, size, _FREED)
+        watch(ptr, size, FREED)
         budget = self._quarantine_budget()
         parked = False
         if size > budget or not self.quarantine_ranges:
@@ -388,7 +372,7 @@ class HostVmmDriver(VmmDriver):
         # One MAP_FIXED call swaps the shared pages for a fresh reservation (reading zeros);
         # munmap + mmap would leave a window in which another thread could take the range.
         mmap_or_raise(ptr, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr))
-        _watch(ptr, size, _UNMAPPED)
+        watch(ptr, size, UNMAPPED)
 
     def move_mapping(self, handle: HostChunk, src_ptr: int, dst_ptr: int, size: int) -> None:
         """Move the chunk's mapping with ``mremap`` (the pages move, nothing is copied), then
@@ -403,7 +387,7 @@ class HostVmmDriver(VmmDriver):
         """
         check_args("mremap", size, src_ptr)
         check_args("mremap", size, dst_ptr)
-        _watch(src_ptr, size, _UNMAPPED)  # the source is left uncommitted (a hint: before)
+        watch(src_ptr, size, UNMAPPED)  # the source is left uncommitted (a hint: before)
         if handle.released or not handle.mapped or handle.ptr != src_ptr or handle.size != size:
             raise DriverError(
                 "mremap",
