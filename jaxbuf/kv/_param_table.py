@@ -32,17 +32,44 @@ FIELD_ALIGNMENT = 64
 class ParamField:
     """One column of a :class:`DeviceParamTable`: ``np`` (``num_rows`` host values, the
     source of truth, written freely) and ``gpu`` (a :class:`~jaxbuf.BufferView` of the same
-    column in device memory: what the last :meth:`DeviceParamTable.sync` uploaded)."""
+    column in device memory: what the last :meth:`DeviceParamTable.sync` uploaded).
 
-    __slots__ = ("name", "dtype", "offset", "np", "gpu")
+    ``np`` is always the table's own column: ``field.np = values`` writes ``values`` into it
+    (as ``field.np[:] = values`` does; ``ValueError`` naming the field for values of another
+    length), so the next :meth:`~DeviceParamTable.sync` uploads them; it never rebinds the
+    name to an array the table does not see. ``gpu`` cannot be rebound."""
+
+    __slots__ = ("name", "dtype", "offset", "_np", "_gpu")
 
     def __init__(self, name: str, dtype: DType, offset: int, host: np.ndarray, gpu: BufferView):
         self.name, self.dtype, self.offset = name, dtype, offset
-        self.np = host
-        self.gpu = gpu
+        self._np = host
+        self._gpu = gpu
+
+    @property
+    def np(self) -> np.ndarray:
+        return self._np
+
+    @np.setter
+    def np(self, values: Any) -> None:
+        host = self._np
+        if values is host:
+            return  # field.np += 1 rebinds the column to itself
+        array = np.asarray(values)
+        if array.shape not in ((), host.shape):
+            raise ValueError(
+                f"field {self.name!r} holds {len(host)} values; got an array of shape {array.shape}"
+            )
+        host[:] = array
+
+    @property
+    def gpu(self) -> BufferView:
+        return self._gpu
 
     def __repr__(self) -> str:
-        return f"ParamField({self.name!r}, {self.dtype}, rows={len(self.np)}, offset={self.offset})"
+        return (
+            f"ParamField({self.name!r}, {self.dtype}, rows={len(self._np)}, offset={self.offset})"
+        )
 
 
 class _TableOwner:
