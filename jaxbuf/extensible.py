@@ -20,6 +20,7 @@ from jaxbuf import interop
 from jaxbuf._checks import as_int as _as_int
 from jaxbuf._defragment import defragment_segments
 from jaxbuf._errors import ClosedError, attempt
+from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf._owner import Lifetime
 from jaxbuf._peers import check_peers, parse_peer_specs
 from jaxbuf._reservation import MIN_GRANULARITY, MappingListener, commit_granule, round_up
@@ -333,7 +334,8 @@ class ExtensibleTensor(SegmentedReservation):
             try:
                 for start, end in grown:
                     driver.memset(buffer.base_ptr + start, 0, end - start, index)
-                event = driver.record_ready_event(index)
+                with deferred_interrupts():  # recorded as it is made: no event left untracked
+                    self._set_ready_event(driver.record_ready_event(index))
             except BaseException as error:
                 # Memsets already issued would have no event ordering them before later
                 # consumers (a grow without zeroing records none): let them finish here.
@@ -341,7 +343,6 @@ class ExtensibleTensor(SegmentedReservation):
                 raise
             finally:
                 del held
-            self._set_ready_event(event)
         self._committed = new_sizes
 
     # -- peer access ----------------------------------------------------------------

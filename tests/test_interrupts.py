@@ -357,7 +357,8 @@ def test_a_copy_export_racing_free_refuses_rather_than_copy_zeros(monkeypatch, o
 class _SignalAfter(FaultInjectingDriver):
     """Raises SIGINT just after the ``nth`` call of ``kind`` returned, once armed: Python
     runs the handler at the next bytecode, so the ``KeyboardInterrupt`` lands where a Ctrl-C
-    during a slow release lands, between the release and the line that records it."""
+    during a slow driver call lands, between the call (a release, or an acquisition: a
+    chunk created or mapped, a reservation, an event) and the line that records it."""
 
     def __init__(self, inner, kind):
         super().__init__(inner, simulate_events=True)
@@ -369,21 +370,25 @@ class _SignalAfter(FaultInjectingDriver):
             if not self.left:
                 signal.raise_signal(signal.SIGINT)
 
-    def unmap(self, ptr, size):
-        super().unmap(ptr, size)
-        self._after("unmap")
 
-    def release(self, handle):
-        super().release(handle)
-        self._after("release")
+#: The calls that release something, and those that acquire something.
+RELEASES = ("unmap", "release", "free_reserved", "host_free", "destroy_event")
+ACQUISITIONS = ("create", "map", "set_access", "reserve", "host_alloc", "import_handle")
+ACQUISITIONS += ("record_ready_event", "record_event")
 
-    def free_reserved(self, ptr, size):
-        super().free_reserved(ptr, size)
-        self._after("free_reserved")
 
-    def host_free(self, host_ptr):
-        super().host_free(host_ptr)
-        self._after("host_free")
+def _signalling(kind):
+    def call(self, *args, **kwargs):
+        result = getattr(FaultInjectingDriver, kind)(self, *args, **kwargs)
+        self._after(kind)
+        return result
+
+    call.__name__ = kind
+    return call
+
+
+for _kind in RELEASES + ACQUISITIONS:
+    setattr(_SignalAfter, _kind, _signalling(_kind))
 
 
 @pytest.fixture
@@ -436,3 +441,87 @@ def test_deferred_interrupts_deliver_after_the_block_and_restore_the_handler(pyt
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with deferred_interrupts():  # nothing arrived: nothing raised
         pass
+
+
+# -- an interrupt that lands just after an acquisition returned -----------------------------
+def _grow_scenario(driver, owners):
+    tensor = jaxbuf.ExtensibleTensor(16 * MiB, "cpu", driver=driver)
+    owners.append(tensor)
+    for size in (2 * MiB, 4 * MiB, 6 * MiB):
+        tensor.resize_per_segment_(size, zero_new=True)
+
+
+def _import_scenario(driver, owners):
+    from jaxbuf.sharing import ImportedBuffer, export_layout
+
+    source = owners[0]
+    layout, fds = export_layout(source)
+    owners.append(ImportedBuffer(layout, list(fds), driver=driver))
+
+
+def _kv_commit_scenario(driver, owners):
+    builder = jaxbuf.ExtensibleKVCacheBuilder(8, "cpu", driver=driver)
+    owners.append(builder)
+    builder.reserve(8 * MiB, 2)
+    kv = builder.finish()
+    owners[-1] = kv  # a finished builder hands its tensors over: the cache frees them
+    kv.commit(5)
+    kv.commit(8)
+
+
+_ACQUIRING = {"grow": _grow_scenario, "import": _import_scenario, "kv_commit": _kv_commit_scenario}
+
+
+def _release_all(owners):
+    import gc
+
+    for owner in reversed(owners):
+        if isinstance(owner, jaxbuf.ExtensibleTensor):
+            owner.free()
+        elif hasattr(owner, "close"):
+            owner.close()
+        else:
+            owner.free()
+    owners.clear()
+    gc.collect()
+
+
+@pytest.mark.parametrize("kind", ACQUISITIONS)
+@pytest.mark.parametrize("name", list(_ACQUIRING))
+def test_an_interrupt_just_after_an_acquisition_returned_leaves_nothing_untracked(
+    name, kind, python_sigint
+):
+    """A Ctrl-C delivered as ``create``, ``map``, ``reserve`` (...) returns, during a grow, an
+    import or a KV-cache commit: the interrupt reaches the caller once what the call made is
+    recorded (or rolled back), the object stays usable, and freeing it leaves the driver
+    clean. Before, a chunk mapped as the interrupt landed was marked failed while mapped:
+    its handle was released under the mapping and it was forgotten, and ``free()`` freed the
+    address range with it still mapped."""
+    from jaxbuf._lifetime import retry_deferred
+
+    scenario = _ACQUIRING[name]
+    source = jaxbuf.ExtensibleTensor(16 * MiB, "cpu")  # what an import maps: three chunks
+    for size in (2 * MiB, 4 * MiB, 6 * MiB):
+        source.resize_per_segment_(size)
+    try:
+        probe = FaultInjectingDriver(get_vmm_driver("cpu"), simulate_events=True, record_calls=True)
+        owners = [source] if name == "import" else []
+        scenario(probe, owners)
+        calls = sum(call.kind == kind for call in probe.log)
+        _release_all(owners[1:] if name == "import" else owners)
+        if not calls:
+            pytest.skip(f"the {name} makes no {kind} call")
+        for nth in range(1, calls + 1):
+            driver = _SignalAfter(get_vmm_driver("cpu"), kind)
+            driver.left = nth
+            owners = [source] if name == "import" else []
+            with pytest.raises(KeyboardInterrupt):
+                scenario(driver, owners)
+            assert driver.problems() == [], f"interrupt after {kind} {nth} of {calls}"
+            _release_all(owners[1:] if name == "import" else owners)
+            retry_deferred(driver)
+            assert driver.problems() == [], f"interrupt after {kind} {nth} of {calls}"
+            driver.assert_clean()
+            assert not driver.live_events, f"interrupt after {kind} {nth}: events leaked"
+    finally:
+        source.free()

@@ -72,14 +72,23 @@ class _Mappings:
         self.unreleased: list[Any] = []
         self.base_ptr = 0  # first: __del__ of a half-built object must find it
         driver.ensure_context(index)
-        self.base_ptr = driver.reserve(reserved_size, alignment)
+        with deferred_interrupts():  # reserved and recorded as one step (the finalizer frees it)
+            self.base_ptr = driver.reserve(reserved_size, alignment)
 
     @property
     def released(self) -> bool:
         return not self.base_ptr
 
     def map_chunk(self, chunk_id: int, offset: int, size: int, fd: int) -> None:
-        """Import descriptor ``fd`` (the caller still closes it) and map it at ``offset``."""
+        """Import descriptor ``fd`` (the caller still closes it) and map it at ``offset``.
+
+        Imported, mapped, granted and recorded as one step: an interrupt delivered as a call
+        returns waits until the chunk is recorded or rolled back (never a mapped chunk taken
+        for a failed one, its handle released under the mapping and forgotten)."""
+        with deferred_interrupts():
+            self._map_chunk_now(chunk_id, offset, size, fd)
+
+    def _map_chunk_now(self, chunk_id: int, offset: int, size: int, fd: int) -> None:
         driver, index = self.driver, self.index
         ptr = self.base_ptr + offset
         handle = driver.import_handle(fd, size, index)
