@@ -46,8 +46,13 @@ def release_when_collected(
     """
     if _is_finalizing():
         return
+    # Released and recorded as one step: an interrupt landing as the release returns is held
+    # back (delivered after it, or by an enclosing block: a close() that dropped the object),
+    # never taken for a failed release, queued and released a second time.
+    interrupts: list[BaseException] = []
     try:
-        release()
+        with deferred_interrupts(collect=interrupts):
+            release()
     except BaseException as error:  # noqa: BLE001 - no caller to raise to: reported, not hidden
         if driver is None:
             _warn(
@@ -69,6 +74,8 @@ def release_when_collected(
             # like any other error: queued above, so nothing leaks. It goes on as Python
             # reports any exception in a finalizer (there is no caller to deliver it to).
             raise
+    if interrupts:
+        raise interrupts[0]  # after a release that happened: Python reports it, nothing queued
 
 
 def retry_deferred(driver: Any = None) -> None:

@@ -525,3 +525,71 @@ def test_an_interrupt_just_after_an_acquisition_returned_leaves_nothing_untracke
             assert not driver.live_events, f"interrupt after {kind} {nth}: events leaked"
     finally:
         source.free()
+
+
+def _param_table(driver):
+    table = jaxbuf.DeviceParamTable(4, {"temperature": "float32"}, "cpu", 2, driver=driver)
+    for value in (0.5, 0.7, 0.9):  # events on both staging slots and the owner
+        table["temperature"].np[:] = value
+        table.sync()
+    return table
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_an_interrupt_as_a_param_table_event_is_destroyed_reaches_close(
+    nth, python_sigint, monkeypatch
+):
+    """A Ctrl-C as ``DeviceEvent.__del__`` destroys an event during ``DeviceParamTable.close``
+    was taken for a failed destroy: "Exception ignored in DeviceEvent.__del__", ``close()``
+    returned normally, and the queued retry destroyed the event a second time. The destroy
+    is recorded before the interrupt is delivered, and the interrupt reaches ``close()``'s
+    caller."""
+    import gc
+    import sys
+
+    from jaxbuf._lifetime import deferred_releases, retry_deferred
+
+    probe = FaultInjectingDriver(get_vmm_driver("cpu"), simulate_events=True, record_calls=True)
+    table = _param_table(probe)
+    start = len(probe.log)
+    table.close()
+    calls = sum(call.kind == "destroy_event" for call in probe.log[start:])
+    if nth > calls:
+        pytest.skip(f"close() destroys {calls} event(s)")
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    driver = _SignalAfter(get_vmm_driver("cpu"), "destroy_event")
+    table = _param_table(driver)
+    driver.left = nth
+    with pytest.raises(KeyboardInterrupt):
+        table.close()
+    table.close()
+    gc.collect()
+    assert unraisable == []
+    assert deferred_releases(driver) == []
+    retry_deferred(driver)
+    assert driver.problems() == []
+    driver.assert_clean()
+    assert not driver.live_events
+
+
+def test_an_interrupt_as_a_finalizer_destroys_an_event_queues_no_second_destroy(
+    python_sigint, monkeypatch
+):
+    """A dropped ``DeviceEvent`` whose destroy returns as a Ctrl-C lands: the destroy is
+    done, so nothing is queued for a retry (which destroyed it twice); the interrupt goes
+    where Python sends an exception raised in a finalizer."""
+    import sys
+
+    from jaxbuf._lifetime import deferred_releases
+    from jaxbuf.uva._slots import DeviceEvent
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    driver = _SignalAfter(get_vmm_driver("cpu"), "destroy_event")
+    event = DeviceEvent(driver, driver.record_ready_event(0), 1)
+    driver.left = 1
+    del event
+    assert [type(report.exc_value) for report in unraisable] == [KeyboardInterrupt]
+    assert deferred_releases(driver) == []
+    assert driver.problems() == [] and not driver.live_events

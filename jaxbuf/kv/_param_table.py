@@ -13,6 +13,7 @@ import numpy as np
 from .. import interop
 from .._checks import as_count, as_max_concurrency
 from .._errors import Cleanup, ClosedError, attempt
+from .._interrupts import deferred_interrupts
 from .._resolve import resolve
 from ..devices import Device, DeviceLike
 from ..drivers.base import VmmDriver
@@ -370,7 +371,16 @@ class DeviceParamTable:
         self._owner.closed = True
         self._arrays = {}
         cleanup = Cleanup("DeviceParamTable.close")
+        # The upload events (each a slot's guard and, the last one, the views' ready event)
+        # are held here while the ring closes and destroyed by close() itself, not by a
+        # finalizer: a failure, or an interrupt as one is destroyed, reaches the caller.
+        holders = [self._owner.event, *(slot.guard for slot in self._ring.slots)]
+        events = {id(e): e for e in holders if isinstance(e, DeviceEvent)}
         cleanup.run(self._ring.close)
+        self._owner.event = None
+        with deferred_interrupts(collect=cleanup.errors):  # each destroyed and forgotten
+            for event in events.values():
+                cleanup.run(event.release)
         cleanup.run(self._tensor.free)
         cleanup.raise_first()
 
