@@ -593,3 +593,102 @@ def test_an_interrupt_as_a_finalizer_destroys_an_event_queues_no_second_destroy(
     assert [type(report.exc_value) for report in unraisable] == [KeyboardInterrupt]
     assert deferred_releases(driver) == []
     assert driver.problems() == [] and not driver.live_events
+
+
+# -- pools, staged writers: an interrupt at any instant of their life ---------------------
+def _guarded_pool_scenario(driver, owners):
+    pool = jaxbuf.UvaBufferPool(64, "int32", 2, "cpu", guarded="wait", driver=driver)
+    owners.append(pool)
+    for rows in (10, 20, 30, 40):
+        pool.copy_to_uva(list(range(rows)))
+    pool.close()
+
+
+def _growing_pool_scenario(driver, owners):
+    pool = jaxbuf.UvaBufferPool(4, "int32", 2, "cpu", driver=driver)
+    owners.append(pool)
+    for rows in (3, 40, 9, 300, 1000):  # grows both slots, twice
+        pool.copy_to_uva(list(range(rows)))
+    pool.close()
+
+
+def _fused_writer_scenario(driver, owners):
+    swt = jaxbuf.StagedWriteTensor((4, 8), "int32", "cpu", backend="numpy", driver=driver)
+    owners.append(swt)
+    writer = jaxbuf.FusedStagedWriter("cpu", 16, 2, backend="numpy", driver=driver)
+    owners.append(writer)
+    for value in range(3):
+        swt.stage_write(value, 0, [value] * 5)
+        writer.apply((swt,))
+    swt.free()
+    writer.free()
+
+
+_LIVES = {
+    "guarded_pool": _guarded_pool_scenario,
+    "growing_pool": _growing_pool_scenario,
+    "fused_writer": _fused_writer_scenario,
+}
+
+
+def _finish(owners, driver):
+    import gc
+
+    from jaxbuf._lifetime import retry_deferred
+
+    for owner in reversed(owners):
+        owner.free() if hasattr(owner, "free") else owner.close()
+    owners.clear()
+    gc.collect()
+    retry_deferred(driver)
+    assert driver.problems() == []
+    driver.assert_clean()
+    assert not driver.live_events, "events leaked"
+
+
+@pytest.mark.parametrize("name", list(_LIVES))
+def test_an_interrupt_at_any_call_of_a_pool_or_writer_leaks_nothing(name):
+    """A KeyboardInterrupt at each driver call of a guarded pool's, a growing pool's or a
+    fused writer's whole life (construction, copies, growth, applies, teardown): it reaches
+    the caller, and freeing what exists then leaves the driver with no handle, pinned block
+    or event, nothing released twice."""
+    scenario = _LIVES[name]
+    probe = FaultInjectingDriver(get_vmm_driver("cpu"), simulate_events=True)
+    owners: list = []
+    calls = probe.count_calls(lambda: scenario(probe, owners))
+    _finish(owners, probe)
+    for nth in range(calls):
+        driver = FaultInjectingDriver(get_vmm_driver("cpu"), simulate_events=True)
+        driver.fail_at(driver.call_count + nth, KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            scenario(driver, owners)
+        driver.disarm()
+        try:
+            _finish(owners, driver)
+        except AssertionError as error:
+            raise AssertionError(f"interrupt at call {nth} of {calls}: {error}") from None
+
+
+@pytest.mark.parametrize("kind", RELEASES + ACQUISITIONS)
+@pytest.mark.parametrize("name", list(_LIVES))
+def test_an_interrupt_just_after_a_pool_or_writer_call_returned_leaks_nothing(
+    name, kind, python_sigint
+):
+    """The same lives, with the Ctrl-C landing just after each call of ``kind`` returned."""
+    scenario = _LIVES[name]
+    probe = FaultInjectingDriver(get_vmm_driver("cpu"), simulate_events=True, record_calls=True)
+    owners: list = []
+    scenario(probe, owners)
+    _finish(owners, probe)
+    calls = sum(call.kind == kind for call in probe.log)
+    if not calls:
+        pytest.skip(f"the {name} makes no {kind} call")
+    for nth in range(1, calls + 1):
+        driver = _SignalAfter(get_vmm_driver("cpu"), kind)
+        driver.left = nth
+        with pytest.raises(KeyboardInterrupt):
+            scenario(driver, owners)
+        try:
+            _finish(owners, driver)
+        except AssertionError as error:
+            raise AssertionError(f"interrupt after {kind} {nth} of {calls}: {error}") from None
