@@ -10,12 +10,14 @@ when the last exported array does (at once when there is none).
 
 from __future__ import annotations
 
+import os
 import socket
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from jaxbuf import interop
+from jaxbuf._checks import as_int
 from jaxbuf._errors import Cleanup, ClosedError
 from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf._intervals import IntervalSet
@@ -34,6 +36,35 @@ _NOT_COPYABLE = (
     "of the received chunks, and a copy would unmap and free them a second time (use the one "
     "object, or have the owner send_buffer to each importer)"
 )
+
+
+def _check_fds(fds: Any) -> None:
+    """``TypeError`` / ``ValueError`` naming ``fds`` or its bad entry (``fds[i]``: a bool, a
+    float, a negative number) unless it is a sequence of descriptor numbers."""
+    if isinstance(fds, (str, bytes)) or not isinstance(fds, Sequence):
+        raise TypeError(f"fds must be a sequence of file descriptors, got {fds!r:.100}")
+    for i, fd in enumerate(fds):
+        if as_int(fd, f"fds[{i}]") < 0:
+            raise ValueError(f"fds[{i}] must be a file descriptor (>= 0), got {fd}")
+
+
+def _check_open(fds: Sequence[int]) -> None:
+    """``ValueError`` naming the first entry of ``fds`` that is not an open descriptor."""
+    for i, fd in enumerate(fds):
+        try:
+            os.fstat(fd)
+        except OSError as exc:
+            raise ValueError(
+                f"fds[{i}] = {fd} is not an open file descriptor ({exc.strerror})"
+            ) from None
+
+
+def _descriptors(fds: Any) -> list[int]:
+    """The entries of ``fds`` a failed import closes: the descriptor numbers (never a bool,
+    which would close stdout, or anything that is not a number)."""
+    if isinstance(fds, (str, bytes)) or not isinstance(fds, Sequence):
+        return []
+    return [fd for fd in fds if isinstance(fd, int) and not isinstance(fd, bool) and fd >= 0]
 
 
 def _close_after(error: BaseException, fds: Sequence[int]) -> None:
@@ -246,7 +277,9 @@ class ImportedBuffer(SegmentedReservation):
         self._ready_event: Any = None
         self._mappings: _Mappings | None = None  # None once closed, unless a release failed
         try:
+            _check_fds(fds)
             _check_layout(layout, len(fds))
+            _check_open(fds)
             self._read_only: bool = layout.get("read_only", False)
             if device is None:
                 device = layout["device"]
@@ -273,7 +306,7 @@ class ImportedBuffer(SegmentedReservation):
                 self._driver, self._device.index, self._reserved_size, alignment, self._read_only
             )
         except BaseException as error:
-            _close_after(error, fds)
+            _close_after(error, _descriptors(fds))
             raise
         self._mappings = mappings
         self._lifetime = Lifetime(mappings)
@@ -322,7 +355,9 @@ class ImportedBuffer(SegmentedReservation):
         """
         try:
             mappings = self._open_mappings()
+            _check_fds(fds)
             _check_layout(layout, len(fds))
+            _check_open(fds)
             if layout["owner"] != self._owner:
                 raise ValueError(
                     f"layout of owner {layout['owner']!r:.100} does not belong to this import "
@@ -356,7 +391,7 @@ class ImportedBuffer(SegmentedReservation):
                     "it exported with since= a layout this importer did not receive?)"
                 )
         except BaseException as error:
-            _close_after(error, fds)
+            _close_after(error, _descriptors(fds))
             raise
         new_sizes = [int(s) for s in layout["committed_sizes"]]
         exported = self._lifetime.live_exports > 0

@@ -142,6 +142,8 @@ class KVEndpoint:
             raise ValueError("transport='nixl' needs a jaxbuf.transfer.Agent, not a name")
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {layout!r}")
+        if not hasattr(tensor, "num_segments"):
+            raise TypeError(f"tensor must be an ExtensibleTensor, got {tensor!r:.100}")
         self.segments = layout.segments_of(tensor)
         # Where each layout segment starts: the reservation never moves.
         self.segment_starts = [tensor.base_ptr + tensor.segment_offsets[s] for s in self.segments]
