@@ -330,7 +330,9 @@ class ImportedBuffer(SegmentedReservation):
         ``timeout`` seconds, see :func:`~jaxbuf.sharing.recv_layout`) and :meth:`update`.
         ``RuntimeError`` after :meth:`close`, before anything is received."""
         self.check_exportable()
-        layout, fds = recv_layout(sock, timeout=timeout)
+        mappings = self._open_mappings()
+        # The chunks mapped here: the owner lists them again, without a descriptor.
+        layout, fds = recv_layout(sock, timeout=timeout, held_chunks=len(mappings.chunks))
         self.update(layout, fds)
 
     def update(self, layout: dict, fds: Sequence[int]) -> None:
