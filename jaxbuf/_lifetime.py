@@ -25,7 +25,12 @@ from typing import Any
 
 from jaxbuf._interrupts import deferred_interrupts
 
-__all__ = ["deferred_releases", "release_when_collected", "retry_deferred"]
+__all__ = [
+    "deferred_releases",
+    "release_or_retry_later",
+    "release_when_collected",
+    "retry_deferred",
+]
 
 # (driver, release, what) of the releases that failed in a finalizer, oldest first.
 _deferred: list[tuple[Any, Callable[[], object], str]] = []
@@ -76,6 +81,23 @@ def release_when_collected(
             raise
     if interrupts:
         raise interrupts[0]  # after a release that happened: Python reports it, nothing queued
+
+
+def release_or_retry_later(release: Callable[[], object], what: str, driver: Any) -> None:
+    """Call ``release()`` for something already forgotten by its holder (an event a newer
+    one replaced): released and forgotten as one step (an interrupt landing as it returns is
+    delivered after it), and a failure, an interrupt raised by the call included, queues it
+    for :func:`retry_deferred` before it propagates: never leaked, never released twice."""
+    interrupts: list[BaseException] = []
+    try:
+        with deferred_interrupts(collect=interrupts):
+            release()
+    except BaseException:
+        with _deferred_lock:
+            _deferred.append((driver, release, what))
+        raise
+    if interrupts:
+        raise interrupts[0]
 
 
 def retry_deferred(driver: Any = None) -> None:

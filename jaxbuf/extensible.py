@@ -21,6 +21,7 @@ from jaxbuf._checks import as_int as _as_int
 from jaxbuf._defragment import defragment_segments
 from jaxbuf._errors import ClosedError, attempt
 from jaxbuf._interrupts import deferred_interrupts
+from jaxbuf._lifetime import release_or_retry_later
 from jaxbuf._owner import Lifetime
 from jaxbuf._peers import check_peers, parse_peer_specs
 from jaxbuf._reservation import MIN_GRANULARITY, MappingListener, commit_granule, round_up
@@ -372,7 +373,8 @@ class ExtensibleTensor(SegmentedReservation):
     def _set_ready_event(self, event: Any) -> None:
         previous, self._ready_event = self._ready_event, event
         if previous is not None:
-            self._driver.destroy_event(previous)
+            driver = self._driver  # a failed destroy is retried, the event never leaked
+            release_or_retry_later(lambda: driver.destroy_event(previous), "an event", driver)
 
     # -- registrations that follow the memory ----------------------------------------
     def add_mapping_listener(self, listener: MappingListener) -> None:

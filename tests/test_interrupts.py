@@ -624,10 +624,30 @@ def _fused_writer_scenario(driver, owners):
     writer.free()
 
 
+def _param_table_scenario(driver, owners):
+    table = jaxbuf.DeviceParamTable(4, {"temperature": "float32"}, "cpu", 2, driver=driver)
+    owners.append(table)
+    for value in (0.5, 0.7, 0.9):
+        table["temperature"].np[:] = value
+        table.sync()
+    table.close()
+
+
+def _non_uva_scenario(driver, owners):
+    buffer = jaxbuf.NonUvaBuffer((4, 256), "int32", "cpu", driver=driver)
+    owners.append(buffer)
+    for value in range(3):
+        buffer.np[...] = value
+        buffer.uva()  # the host values copied to the device buffer, an event recorded
+    buffer.free()
+
+
 _LIVES = {
     "guarded_pool": _guarded_pool_scenario,
     "growing_pool": _growing_pool_scenario,
     "fused_writer": _fused_writer_scenario,
+    "param_table": _param_table_scenario,
+    "non_uva": _non_uva_scenario,
 }
 
 

@@ -149,15 +149,15 @@ class HostChunk:
         access = ", read-only" if self.read_only else ""
         return f"HostChunk(fd={self.fd}, size={self.size}, {state}{access})"
 
-    def close_descriptor(self) -> None:
+    def close_descriptor(self, _close=os.close) -> None:  # noqa: ANN001 - bound at exit
         """Close the memfd of a chunk never mapped (its only reference to the pages)."""
         fd, self.fd = self.fd, -1
         if fd >= 0:
-            os.close(fd)
+            _close(fd)
 
-    def __del__(self) -> None:  # a created chunk lost to an interrupt: its memfd is no one's
-        with contextlib.suppress(AttributeError, OSError):  # Linux frees the fd either way
-            self.close_descriptor()
+    def __del__(self, _suppress=contextlib.suppress) -> None:  # noqa: ANN001 - bound at exit
+        with _suppress(AttributeError, OSError):  # a chunk lost to an interrupt: its memfd
+            self.close_descriptor()  # is no one's (Linux frees the fd even on an error)
 
 
 class HostVmmDriver(VmmDriver):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Mapping
@@ -14,6 +15,7 @@ from .. import interop
 from .._checks import as_count, as_max_concurrency
 from .._errors import Cleanup, ClosedError, attempt
 from .._interrupts import deferred_interrupts
+from .._lifetime import release_or_retry_later
 from .._resolve import resolve
 from ..devices import Device, DeviceLike
 from ..drivers.base import VmmDriver
@@ -24,6 +26,8 @@ from ..uva._slots import UNRECORDED, DeviceEvent, PinnedSlot, PinnedSlotRing
 from ..views import BufferView
 
 __all__ = ["FIELD_ALIGNMENT", "DeviceParamTable", "ParamField"]
+
+_NOTHING_HELD = contextlib.nullcontext()
 
 #: Every field starts at a multiple of this many bytes of the table: 8 is what any scalar
 #: needs; 64 is what JAX needs to import host memory (the CPU driver's) without a copy.
@@ -261,6 +265,13 @@ class DeviceParamTable:
         try:  # every slot now: the first uploads stay cheap, a failure shows here
             for slot in self._ring.slots:
                 self._ring.grow(slot, nbytes)
+            # Whether the driver's copies run asynchronously (a platform with events).
+            with deferred_interrupts():  # made and destroyed as one step
+                probe = driver.record_ready_event(device.index)
+                self._asynchronous = probe is not None
+                if probe is not None:
+                    destroy = functools.partial(driver.destroy_event, probe)
+                    release_or_retry_later(destroy, "an event", driver)
         except BaseException as error:
             attempt(error, "closing the staging slots", self._ring.close)
             attempt(error, "freeing the device table", tensor.free)
@@ -269,11 +280,6 @@ class DeviceParamTable:
         # failed upload, so the next sync uploads whatever the host holds. Compared as
         # bytes: one copy and a memcmp, faster than numpy's comparisons at table sizes.
         self._uploaded: bytes | None = bytes(nbytes)
-        # Whether the driver's copies run asynchronously (a platform with events).
-        probe = driver.record_ready_event(device.index)
-        self._asynchronous = probe is not None
-        if probe is not None:
-            driver.destroy_event(probe)
         self._next = 0
         self._arrays: dict[str, dict[str, Any]] = {}
         self._closed = False
@@ -339,7 +345,13 @@ class DeviceParamTable:
     def _upload(self, current: bytes) -> None:
         ring, index = self._ring, self._next
         slot = ring.slots[index]
+        # The slot's event is held through the wait and destroyed here, unless it is still
+        # the views' ready event: a failure, or an interrupt as it is destroyed, reaches the
+        # caller (dropped, a finalizer would destroy it, and report the interrupt as ignored).
+        guard = slot.guard
         ring.wait(slot, index)
+        if isinstance(guard, DeviceEvent) and guard is not self._owner.event:
+            guard.release()
         slot.host[:] = np.frombuffer(current, np.uint8)
         driver, device = self._driver, self.device
         slot.guard = UNRECORDED  # the copy may read it from now on
@@ -351,10 +363,12 @@ class DeviceParamTable:
             # flight read the new values.
             interop.quiesce(device)
         driver.copy(self._device_ptr, slot.host.ctypes.data, self.nbytes, device.index)
-        handle = driver.record_ready_event(device.index)
-        event = None if handle is None else DeviceEvent(driver, handle, 1)
-        slot.guard = event
-        self._owner.event = event
+        # Recorded as it is made: an interrupt cannot leak it (the CPU makes none: no block).
+        with deferred_interrupts() if self._asynchronous else _NOTHING_HELD:
+            handle = driver.record_ready_event(device.index)
+            event = None if handle is None else DeviceEvent(driver, handle, 1)
+            slot.guard = event
+            self._owner.event = event
         self._next = (index + 1) % len(ring.slots)
 
     # -- lifetime -------------------------------------------------------------------------
@@ -378,6 +392,9 @@ class DeviceParamTable:
         events = {id(e): e for e in holders if isinstance(e, DeviceEvent)}
         cleanup.run(self._ring.close)
         self._owner.event = None
+        # A slot the ring could not settle (its close failed) keeps its event for the retry.
+        for slot in self._ring.slots:
+            events.pop(id(slot.guard), None)
         with deferred_interrupts(collect=cleanup.errors):  # each destroyed and forgotten
             for event in events.values():
                 cleanup.run(event.release)
