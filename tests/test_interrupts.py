@@ -788,3 +788,92 @@ def test_a_signal_while_a_block_is_entered_leaves_later_blocks_deferring(
         ran.append("held back")
     assert ran == ["held back"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# -- a timer signal at seeded random instants of whole lives --------------------------------
+def _tensor_life(driver, owners):
+    tensor = jaxbuf.ExtensibleTensor(16 * MiB, "cpu", driver=driver)
+    owners.append(tensor)
+    for size in (2 * MiB, 6 * MiB):
+        tensor.resize_per_segment_(size, zero_new=True)
+        view = tensor.segment_view(0)
+        view.to_numpy()[:16] = 1
+        del view
+    tensor.release_physical()
+    tensor.resize_per_segment_(4 * MiB)
+    tensor.defragment()
+    tensor.free()
+
+
+def _kv_life(driver, owners):
+    builder = jaxbuf.ExtensibleKVCacheBuilder(8, "cpu", driver=driver)
+    owners.append(builder)
+    builder.reserve(8 * MiB, 2)
+    kv = builder.finish()
+    owners[-1] = kv
+    kv.commit(4)
+    kv.release_physical()
+    kv.recommit()
+    kv.commit(8)
+    kv.free()
+
+
+_TIMED = {
+    "tensor": _tensor_life,
+    "kv_cache": _kv_life,
+    "guarded_pool": _guarded_pool_scenario,
+    "growing_pool": _growing_pool_scenario,
+    "fused_writer": _fused_writer_scenario,
+    "param_table": _param_table_scenario,
+    "non_uva": _non_uva_scenario,
+}
+
+
+# The timer may land in a finalizer, where Python reports the interrupt as ignored.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("name", list(_TIMED))
+def test_a_timer_interrupt_at_random_instants_leaves_everything_at_baseline(name):
+    """SIGALRM, its handler raising KeyboardInterrupt, at seeded random instants of a whole
+    life (a tensor grown, viewed, released, defragmented and freed; a KV cache committed,
+    slept and woken; pools, staged writes, a parameter table): whatever the instant, freeing
+    what exists then leaves the driver's invariants holding, no handle, mapping,
+    reservation, pinned block or event alive, and no descriptor open."""
+    import os
+    import random
+    import time
+
+    scenario = _TIMED[name]
+    probe = FaultInjectingDriver(get_vmm_driver("cpu"), simulate_events=True)
+    owners: list = []
+    start = time.perf_counter()
+    scenario(probe, owners)
+    duration = time.perf_counter() - start
+    _finish(owners, probe)
+    rng = random.Random(f"{name}-20261204")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = set(os.listdir("/proc/self/fd"))
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    interrupted = 0
+    try:
+        for i in range(int(os.environ.get("JAXBUF_TIMER_RUNS", "60"))):  # more: a soak
+            driver = FaultInjectingDriver(get_vmm_driver("cpu"), simulate_events=True)
+            try:
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 1.2 * duration))
+                scenario(driver, owners)
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            except KeyboardInterrupt:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                interrupted += 1
+            try:
+                _finish(owners, driver)
+            except AssertionError as error:
+                raise AssertionError(f"run {i}: {error}") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert interrupted, "the timer never landed"
+    left = set(os.listdir("/proc/self/fd")) - before
+    assert not left, f"{len(left)} descriptor(s) left open"

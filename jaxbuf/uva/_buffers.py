@@ -220,11 +220,12 @@ class _BufferBase:
         return self._device_view.to_jax()
 
     def _set_ready_event(self, event: Any) -> None:
-        owner = self._owner
-        previous, owner.ready_event = owner.ready_event, event
-        if previous is not None:
-            driver = self._driver  # a failed destroy is retried, the event never leaked
-            release_or_retry_later(lambda: driver.destroy_event(previous), "an event", driver)
+        with deferred_interrupts():  # swapped and the old one destroyed as one step
+            owner = self._owner
+            previous, owner.ready_event = owner.ready_event, event
+            if previous is not None:
+                driver = self._driver  # a failed destroy is retried, the event never leaked
+                release_or_retry_later(lambda: driver.destroy_event(previous), "an event", driver)
 
     def _drop_arrays(self) -> None:
         """Forget the arrays this buffer made; those nobody else holds go, with their
