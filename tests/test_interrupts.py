@@ -877,3 +877,38 @@ def test_a_timer_interrupt_at_random_instants_leaves_everything_at_baseline(name
     assert interrupted, "the timer never landed"
     left = set(os.listdir("/proc/self/fd")) - before
     assert not left, f"{len(left)} descriptor(s) left open"
+
+
+def test_a_rollback_undoes_newest_first_and_keeps_the_error():
+    """``Rollback``: on a failure every registered undo runs, newest first, a failed one a
+    note on the error (not its replacement), an interrupt raised by one after the rest;
+    leaving normally, or after ``commit()``, undoes nothing."""
+    from jaxbuf._errors import Rollback
+
+    ran = []
+
+    def undo(name, error=None):
+        ran.append(name)
+        if error is not None:
+            raise error
+
+    with pytest.raises(ValueError, match="step 4") as caught, Rollback("building") as rollback:
+        for name, error in (("a", None), ("b", RuntimeError("b stuck")), ("c", None)):
+            rollback.push(undo, name, error)
+        raise ValueError("step 4 failed")
+    assert ran == ["c", "b", "a"]
+    assert any("building: undoing" in n and "b stuck" in n for n in caught.value.__notes__)
+    ran.clear()
+    with pytest.raises(KeyboardInterrupt) as caught, Rollback("building") as rollback:
+        rollback.push(undo, "a")
+        rollback.push(undo, "b", KeyboardInterrupt())
+        raise ValueError("failed")
+    assert ran == ["b", "a"] and isinstance(caught.value.__cause__, ValueError)
+    ran.clear()
+    with Rollback("building") as rollback:
+        rollback.push(undo, "a")
+    with pytest.raises(ValueError), Rollback("building") as rollback:
+        rollback.push(undo, "b")
+        rollback.commit()
+        raise ValueError("after the commit")
+    assert ran == []

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import interop
 from .._checks import as_count, as_max_concurrency
-from .._errors import Cleanup, ClosedError, attempt
+from .._errors import Cleanup, ClosedError, Rollback
 from .._interrupts import deferred_interrupts
 from .._lifetime import release_or_retry_later
 from .._resolve import resolve
@@ -229,41 +229,39 @@ class DeviceParamTable:
         self.num_rows, self.nbytes, self.max_concurrency = num_rows, nbytes, count
         self.device, self._driver = device, driver
         self._host = np.zeros(nbytes, np.uint8)
-        tensor = ExtensibleTensor(nbytes, device, driver=driver)
-        try:
+        with Rollback("DeviceParamTable") as undo:  # a failure frees what was made
+            tensor = ExtensibleTensor(nbytes, device, driver=driver)
+            undo.push(tensor.free)
             tensor.resize_per_segment_(nbytes, zero_new=True)
-        except BaseException as error:
-            attempt(error, "freeing the device table", tensor.free)
-            raise
-        self._tensor = tensor
-        self._owner = _TableOwner(tensor)
-        base = tensor.full_view()
-        self._device_ptr = base.ptr
-        self._fields: dict[str, ParamField] = {}
-        for (name, dtype), offset in zip(checked, offsets):
-            host = self._host[offset : offset + num_rows * dtype.itemsize].view(dtype.numpy)
-            gpu = BufferView(
-                base.ptr + offset,
-                num_rows * dtype.itemsize,
-                dtype,
-                (num_rows,),
-                device,
-                self._owner,
-                base.dlpack_device_type,
+            self._tensor = tensor
+            self._owner = _TableOwner(tensor)
+            base = tensor.full_view()
+            self._device_ptr = base.ptr
+            self._fields: dict[str, ParamField] = {}
+            for (name, dtype), offset in zip(checked, offsets):
+                host = self._host[offset : offset + num_rows * dtype.itemsize].view(dtype.numpy)
+                gpu = BufferView(
+                    base.ptr + offset,
+                    num_rows * dtype.itemsize,
+                    dtype,
+                    (num_rows,),
+                    device,
+                    self._owner,
+                    base.dlpack_device_type,
+                )
+                self._fields[name] = ParamField(name, dtype, offset, host, gpu)
+            self._ring = PinnedSlotRing(
+                count,
+                functools.partial(UvaBuffer, dtype="uint8", device=device, driver=driver),
+                UvaBuffer.free,
+                functools.partial(_device_wait, driver, device),
+                mode="wait",
+                owns_guards=False,  # the last upload's event is also the views' ready event
+                slot_type=_StagingSlot,
+                name="DeviceParamTable",
             )
-            self._fields[name] = ParamField(name, dtype, offset, host, gpu)
-        self._ring = PinnedSlotRing(
-            count,
-            functools.partial(UvaBuffer, dtype="uint8", device=device, driver=driver),
-            UvaBuffer.free,
-            functools.partial(_device_wait, driver, device),
-            mode="wait",
-            owns_guards=False,  # the last upload's event is also the views' ready event
-            slot_type=_StagingSlot,
-            name="DeviceParamTable",
-        )
-        try:  # every slot now: the first uploads stay cheap, a failure shows here
-            for slot in self._ring.slots:
+            undo.push(self._ring.close)
+            for slot in self._ring.slots:  # every slot now: the first uploads stay cheap
                 self._ring.grow(slot, nbytes)
             # Whether the driver's copies run asynchronously (a platform with events).
             with deferred_interrupts():  # made and destroyed as one step
@@ -272,10 +270,6 @@ class DeviceParamTable:
                 if probe is not None:
                     destroy = functools.partial(driver.destroy_event, probe)
                     release_or_retry_later(destroy, "an event", driver)
-        except BaseException as error:
-            attempt(error, "closing the staging slots", self._ring.close)
-            attempt(error, "freeing the device table", tensor.free)
-            raise
         # The bytes the device holds (zeros until the first upload); None: unknown, after a
         # failed upload, so the next sync uploads whatever the host holds. Compared as
         # bytes: one copy and a memcmp, faster than numpy's comparisons at table sizes.
