@@ -387,7 +387,7 @@ def _signalling(kind):
     return call
 
 
-for _kind in RELEASES + ACQUISITIONS:
+for _kind in (*RELEASES, *ACQUISITIONS, "move_mapping"):
     setattr(_SignalAfter, _kind, _signalling(_kind))
 
 
@@ -469,7 +469,22 @@ def _kv_commit_scenario(driver, owners):
     kv.commit(8)
 
 
-_ACQUIRING = {"grow": _grow_scenario, "import": _import_scenario, "kv_commit": _kv_commit_scenario}
+def _defragment_scenario(driver, owners):
+    tensor = jaxbuf.ExtensibleTensor(16 * MiB, "cpu", driver=driver)
+    owners.append(tensor)
+    for size in (2 * MiB, 4 * MiB, 6 * MiB):
+        tensor.resize_per_segment_(size)
+    tensor.segment_view(0).to_numpy()[:] = 7
+    tensor.defragment()
+    assert (tensor.segment_view(0).to_numpy() == 7).all()
+
+
+_ACQUIRING = {
+    "grow": _grow_scenario,
+    "import": _import_scenario,
+    "kv_commit": _kv_commit_scenario,
+    "defragment": _defragment_scenario,
+}
 
 
 def _release_all(owners):
@@ -486,7 +501,7 @@ def _release_all(owners):
     gc.collect()
 
 
-@pytest.mark.parametrize("kind", ACQUISITIONS)
+@pytest.mark.parametrize("kind", (*ACQUISITIONS, "move_mapping"))
 @pytest.mark.parametrize("name", list(_ACQUIRING))
 def test_an_interrupt_just_after_an_acquisition_returned_leaves_nothing_untracked(
     name, kind, python_sigint
