@@ -414,8 +414,14 @@ void jaxbuf_dltensor_capsule_destructor(PyObject *capsule) {
             memcpy(&deleter, managed + VERSIONED_DELETER_OFFSET, sizeof(deleter));
         }
     }
-    /* A "used_" capsule belongs to its consumer: nothing to do. */
-    if (deleter != NULL) deleter(managed);
+    /* A "used_" capsule belongs to its consumer: nothing to do. A consumer's deleter may run
+     * Python (a ctypes callback) while this capsule dies under a propagating exception (an
+     * import refused): it must neither see that exception nor clear it. */
+    if (deleter != NULL) {
+        SAVE_ERROR();
+        deleter(managed);
+        RESTORE_ERROR();
+    }
 }
 
 /* ---- the builder ------------------------------------------------------------------------- */

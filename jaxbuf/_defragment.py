@@ -138,30 +138,38 @@ class Defragmenting:
         for access_device in self.access_devices:
             driver.synchronize(access_device)
         driver.ensure_context(device_index)
-        new_tmp = driver.reserve(size, granularity)
+        new_tmp: int | None = None  # the temporary reservation the new chunk is built in
         handle: Any = None
         new_at: int | None = None  # address the new chunk is mapped at
         old_tmp: int | None = None
         moved_out: list[tuple[int, int, Any]] = []
         copying = False  # the copy into the new chunk is enqueued, not known to be done
         try:
-            handle = driver.create(size, device_index)
-            driver.map(new_tmp, size, handle)
-            new_at = new_tmp
-            driver.set_access(new_tmp, size, device_index)
+            # Each acquisition and each move recorded as it is made (an interrupt landing as
+            # a call returns is delivered at the block's end, and rolls back what is
+            # recorded); the copy between them stays interruptible.
+            with deferred_interrupts():
+                new_tmp = driver.reserve(size, granularity)
+                handle = driver.create(size, device_index)
+                driver.map(new_tmp, size, handle)
+                new_at = new_tmp
+                driver.set_access(new_tmp, size, device_index)
             copying = True
             driver.copy(new_tmp, base + first, size, device_index)
             driver.synchronize(device_index)
             copying = False
-            old_tmp = driver.reserve(size, granularity)
-            for offset, chunk_size, old_handle in old:
-                driver.move_mapping(old_handle, base + offset, old_tmp + offset - first, chunk_size)
-                moved_out.append((offset, chunk_size, old_handle))
-            driver.move_mapping(handle, new_tmp, base + first, size)
-            new_at = base + first
-            # Only the moved chunk lost its access; the neighbouring chunks were never
-            # touched and keep theirs, so the grant is the new chunk alone.
-            driver.set_access_many(base + first, size, self.access_devices)
+            with deferred_interrupts():
+                old_tmp = driver.reserve(size, granularity)
+                for offset, chunk_size, old_handle in old:
+                    driver.move_mapping(
+                        old_handle, base + offset, old_tmp + offset - first, chunk_size
+                    )
+                    moved_out.append((offset, chunk_size, old_handle))
+                driver.move_mapping(handle, new_tmp, base + first, size)
+                new_at = base + first
+                # Only the moved chunk lost its access; the neighbouring chunks were never
+                # touched and keep theirs, so the grant is the new chunk alone.
+                driver.set_access_many(base + first, size, self.access_devices)
         except BaseException as error:
             if copying and not attempt(
                 error,
@@ -180,14 +188,16 @@ class Defragmenting:
                 attempt(error, "re-registering the old chunks", self._notify_mapped, old_ranges)
             raise
         # Committed: the bookkeeping now names the new chunk (the committed runs are
-        # unchanged), then the old chunks and the temporary reservations go.
-        for offset, _, _ in old:
-            self._remove_chunk(offset)
-        self._insert_chunk((first, size, handle))
-        errors = self._cleanup_temporary(
-            old_tmp, size, [(old_tmp + o - first, n, h) for o, n, h in old]
-        )
-        errors += self._cleanup_temporary(new_tmp, size, [])
+        # unchanged), then the old chunks and the temporary reservations go; as one step, so
+        # an interrupt never leaves the books half-swapped or the old chunks untracked.
+        with deferred_interrupts():
+            for offset, _, _ in old:
+                self._remove_chunk(offset)
+            self._insert_chunk((first, size, handle))
+            errors = self._cleanup_temporary(
+                old_tmp, size, [(old_tmp + o - first, n, h) for o, n, h in old]
+            )
+            errors += self._cleanup_temporary(new_tmp, size, [])
         if self._listeners:
             try:
                 self._notify_mapped([(first, size)])
@@ -210,7 +220,7 @@ class Defragmenting:
         error: BaseException,
         first: int,
         last: int,
-        new_tmp: int,
+        new_tmp: int | None,
         handle: Any,
         new_at: int | None,
         old_tmp: int | None,
@@ -262,8 +272,9 @@ class Defragmenting:
             for cleanup_error in self._cleanup_temporary(old_tmp, size, still_out):
                 error.add_note(f"defragment rollback: {cleanup_error!r}")
         mapped_new = [(new_at, size, handle)] if new_at is not None else []
-        for cleanup_error in self._cleanup_temporary(new_tmp, size, mapped_new):
-            error.add_note(f"defragment rollback: {cleanup_error!r}")
+        if new_tmp is not None:  # else nothing was reserved, created or mapped
+            for cleanup_error in self._cleanup_temporary(new_tmp, size, mapped_new):
+                error.add_note(f"defragment rollback: {cleanup_error!r}")
         if handle is not None and new_at is None:
             self._release_noting(handle, error)
 

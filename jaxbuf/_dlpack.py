@@ -44,7 +44,10 @@ __all__ = [
     "pack_payload",
 ]
 
-DLPACK_VERSION = (1, 0)
+#: DLManagedTensorVersioned.version: the dlpack.h the tensors follow (1.3, as the exchange
+#: table in _capsule.h says), as torch stamps its own. dlpack.h keeps the ABI within a major
+#: version, so a consumer that asked for max_version=(1, 0) accepts any 1.x.
+DLPACK_VERSION = (1, 3)
 FLAG_READ_ONLY = 1  # DLPACK_FLAG_BITMASK_READ_ONLY
 FLAG_IS_COPIED = 2  # DLPACK_FLAG_BITMASK_IS_COPIED: the producer copied for this export
 

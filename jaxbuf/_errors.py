@@ -19,7 +19,8 @@ Releasing memory is best effort over many pieces (chunks, slots, reservations): 
 must not stop the rest from being released, and none may be lost. :class:`Cleanup` runs each
 step, keeps going past failures and raises the first with the others attached as notes;
 :func:`attempt` runs one rollback step on behalf of an error already being raised, so a
-failed rollback becomes a note on that error instead of replacing it.
+failed rollback becomes a note on that error instead of replacing it. :class:`Rollback` is
+the undo stack of a multi-step acquisition built on it.
 
 A leaf module: it imports nothing of jaxbuf, so every layer (drivers included) may use it.
 
@@ -40,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["ByteOrderError", "ClosedError", "Cleanup", "attempt", "raise_first"]
+__all__ = ["ByteOrderError", "ClosedError", "Cleanup", "Rollback", "attempt", "raise_first"]
 
 
 class ClosedError(RuntimeError, ValueError):
@@ -138,3 +139,63 @@ def attempt(error: BaseException, what: str, step: Callable[..., Any], *args: An
         error.add_note(f"{what} failed too: {rollback_error!r}")
         return False
     return True
+
+
+class Rollback:
+    """The undo stack of a multi-step acquisition, as cuda.core's ``Transaction``: each step
+    that acquires something registers its undo on the line after it (:meth:`push`).
+    Leaving the ``with`` block by an exception (an interrupt included) runs every undo,
+    newest first, whatever the others raised: a failed undo becomes a note on the error
+    raised (never its replacement), and an interrupt raised by an undo reaches the caller
+    after the rest ran. Leaving normally, or :meth:`commit`, keeps everything.
+
+    ``context`` names the acquisition in the notes (``"DeviceParamTable"``).
+
+    Examples
+    --------
+    >>> log = []
+    >>> try:
+    ...     with Rollback("making two things") as undo:
+    ...         log.append("a")
+    ...         undo.push(log.append, "undo a")
+    ...         log.append("b")
+    ...         undo.push(log.append, "undo b")
+    ...         raise ValueError("the third failed")
+    ... except ValueError:
+    ...     pass
+    >>> log
+    ['a', 'b', 'undo b', 'undo a']
+    """
+
+    __slots__ = ("context", "_undos")
+
+    def __init__(self, context: str) -> None:
+        self.context = context
+        self._undos: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+
+    def push(self, undo: Callable[..., Any], *args: Any) -> None:
+        """Register ``undo(*args)``, run if the block fails after this line."""
+        self._undos.append((undo, args))
+
+    def commit(self) -> None:
+        """Keep everything acquired so far: nothing is undone any more."""
+        self._undos.clear()
+
+    def __enter__(self) -> Rollback:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> bool:
+        undos, self._undos = self._undos, []
+        if error is None:
+            return False
+        interrupt: BaseException | None = None
+        for undo, args in reversed(undos):
+            try:
+                undo(*args)
+            except BaseException as undo_error:  # noqa: BLE001 - noted; an interrupt raised last
+                error.add_note(f"{self.context}: undoing {undo!r} failed too: {undo_error!r}")
+                if interrupt is None and not isinstance(undo_error, Exception):
+                    interrupt = undo_error
+        if interrupt is not None and isinstance(error, Exception):
+            raise interrupt from error
+        return False

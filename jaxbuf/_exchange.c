@@ -143,6 +143,13 @@ static int order_default_stream(PyObject *view, int device_type) {
 
 /* ---- the producer's table -------------------------------------------------------------- */
 
+/* A C caller may pass NULL for the object: a ValueError naming the function, not a crash. */
+static int check_py_object(void *py_object, const char *function) {
+    if (py_object != NULL) return 0;
+    PyErr_Format(PyExc_ValueError, "%s: py_object is NULL", function);
+    return -1;
+}
+
 static int api_from_py_object(void *py_object, JbManagedTensorVersioned **out) {
     PyObject *view = (PyObject *)py_object;
     if (out == NULL) {
@@ -150,6 +157,7 @@ static int api_from_py_object(void *py_object, JbManagedTensorVersioned **out) {
         return -1;
     }
     *out = NULL;
+    if (check_py_object(py_object, "managed_tensor_from_py_object_no_sync") < 0) return -1;
     JbManagedTensorVersioned *managed = managed_from_view(view);
     if (managed == NULL) return -1;
     if (order_default_stream(view, managed->dl_tensor.device.device_type) < 0) {
@@ -166,6 +174,7 @@ static int api_dltensor_from_py_object(void *py_object, JbDLTensor *out) {
         PyErr_SetString(PyExc_ValueError, "dltensor_from_py_object_no_sync: out is NULL");
         return -1;
     }
+    if (check_py_object(py_object, "dltensor_from_py_object_no_sync") < 0) return -1;
     if (check_view(view) < 0) return -1;
     PyObject *owner = owner_of(view);
     if (owner == NULL) return -1;
@@ -317,8 +326,10 @@ done:
 }
 
 /* The hook's arguments for a consumer's tensor: (ptr, device_type, device_id, code, bits,
- * lanes, shape, read_only), or NULL with BufferError for what no view can describe (another
- * major version, a strided layout). */
+ * lanes, shape, read_only), or NULL with BufferError for what no view can describe or what
+ * is inconsistent (another major version, whose other fields dlpack.h says not to read; a
+ * NULL shape, a negative or absurd rank or extent; NULL data under elements; a byte offset
+ * that wraps the address; a strided layout). */
 static PyObject *describe(const JbManagedTensorVersioned *tensor) {
     if (tensor->version.major != JAXBUF_DLPACK_MAJOR) {
         PyErr_Format(PyExc_BufferError, "DLPack major version %u is not %d",
@@ -326,8 +337,10 @@ static PyObject *describe(const JbManagedTensorVersioned *tensor) {
         return NULL;
     }
     const JbDLTensor *dl = &tensor->dl_tensor;
-    if (dl->ndim < 0 || (dl->ndim > 0 && dl->shape == NULL)) {
-        PyErr_SetString(PyExc_BufferError, "malformed DLTensor: negative ndim or NULL shape");
+    if (dl->ndim < 0 || dl->ndim > MAX_NDIM || (dl->ndim > 0 && dl->shape == NULL)) {
+        PyErr_Format(PyExc_BufferError,
+                     "malformed DLTensor: ndim %d (0 to %d) or a NULL shape", dl->ndim,
+                     MAX_NDIM);
         return NULL;
     }
     PyObject *shape = PyTuple_New(dl->ndim);
@@ -336,6 +349,12 @@ static PyObject *describe(const JbManagedTensorVersioned *tensor) {
     int64_t step = 1;
     for (int i = dl->ndim - 1; i >= 0; i--) {
         int64_t extent = dl->shape[i];
+        if (extent < 0) {
+            Py_DECREF(shape);
+            PyErr_Format(PyExc_BufferError, "malformed DLTensor: extent %lld in dimension %d",
+                         (long long)extent, i);
+            return NULL;
+        }
         PyObject *item = PyLong_FromLongLong(extent);
         if (item == NULL) {
             Py_DECREF(shape);
@@ -345,14 +364,26 @@ static PyObject *describe(const JbManagedTensorVersioned *tensor) {
         empty |= extent == 0;
         /* Row-major: a dimension of extent 1 may have any stride (torch gives such). */
         if (dl->strides != NULL && extent > 1 && dl->strides[i] != step) strided = 1;
-        step *= extent > 1 ? extent : 1;
+        /* Saturating (no signed overflow): a size past int64 is refused as the view's. */
+        if (extent > 1) step = step <= INT64_MAX / extent ? step * extent : INT64_MAX;
     }
     if (strided && !empty) {
         Py_DECREF(shape);
         PyErr_SetString(PyExc_BufferError, "jaxbuf views are row-major; this tensor is strided");
         return NULL;
     }
+    if (dl->data == NULL && !empty) {
+        Py_DECREF(shape);
+        PyErr_SetString(PyExc_BufferError,
+                        "malformed DLTensor: NULL data under a shape with elements");
+        return NULL;
+    }
     uintptr_t ptr = (uintptr_t)dl->data + (uintptr_t)dl->byte_offset;
+    if (!empty && ptr < (uintptr_t)dl->data) {
+        Py_DECREF(shape);
+        PyErr_SetString(PyExc_BufferError, "malformed DLTensor: data + byte_offset wraps");
+        return NULL;
+    }
     return Py_BuildValue("(KiiiiiNO)", (unsigned long long)ptr, (int)dl->device.device_type,
                          (int)dl->device.device_id, (int)dl->dtype.code, (int)dl->dtype.bits,
                          (int)dl->dtype.lanes, shape,
@@ -362,9 +393,13 @@ static PyObject *describe(const JbManagedTensorVersioned *tensor) {
 static int api_to_py_object(JbManagedTensorVersioned *tensor, void **out_py_object) {
     if (out_py_object != NULL) *out_py_object = NULL;
     if (tensor == NULL || out_py_object == NULL || import_hook == NULL) {
+        /* Stolen: deleted first, so a deleter that runs Python finds no exception set. */
+        if (tensor != NULL && tensor->deleter != NULL) tensor->deleter(tensor);
         PyErr_SetString(PyExc_ValueError,
-                        "managed_tensor_to_py_object_no_sync: NULL argument or no import hook");
-        if (tensor != NULL && tensor->deleter != NULL) tensor->deleter(tensor); /* stolen */
+                        tensor == NULL ? "managed_tensor_to_py_object_no_sync: tensor is NULL"
+                        : out_py_object == NULL
+                            ? "managed_tensor_to_py_object_no_sync: out_py_object is NULL"
+                            : "managed_tensor_to_py_object_no_sync: no import hook");
         return -1;
     }
     /* The tensor is ours now: an unconsumed capsule deletes it when it dies, whether the

@@ -99,7 +99,17 @@ class deferred_interrupts:  # noqa: N801 - used as a function: ``with deferred_i
         _depth += 1
         if _depth == 1:
             self.outermost = True
-            _install()
+            try:
+                _install()
+            except BaseException:
+                # A signal delivered while the handlers were being replaced (before its
+                # recording one took over): the block never runs and __exit__ is never
+                # called, so leave no trace, else every later block would think itself
+                # nested and hold nothing back.
+                _depth -= 1
+                self.outermost = False
+                _restore()
+                raise
 
     def __exit__(self, *exc_info: object) -> None:
         global _depth

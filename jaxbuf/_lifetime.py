@@ -25,7 +25,12 @@ from typing import Any
 
 from jaxbuf._interrupts import deferred_interrupts
 
-__all__ = ["deferred_releases", "release_when_collected", "retry_deferred"]
+__all__ = [
+    "deferred_releases",
+    "release_or_retry_later",
+    "release_when_collected",
+    "retry_deferred",
+]
 
 # (driver, release, what) of the releases that failed in a finalizer, oldest first.
 _deferred: list[tuple[Any, Callable[[], object], str]] = []
@@ -46,8 +51,13 @@ def release_when_collected(
     """
     if _is_finalizing():
         return
+    # Released and recorded as one step: an interrupt landing as the release returns is held
+    # back (delivered after it, or by an enclosing block: a close() that dropped the object),
+    # never taken for a failed release, queued and released a second time.
+    interrupts: list[BaseException] = []
     try:
-        release()
+        with deferred_interrupts(collect=interrupts):
+            release()
     except BaseException as error:  # noqa: BLE001 - no caller to raise to: reported, not hidden
         if driver is None:
             _warn(
@@ -69,6 +79,25 @@ def release_when_collected(
             # like any other error: queued above, so nothing leaks. It goes on as Python
             # reports any exception in a finalizer (there is no caller to deliver it to).
             raise
+    if interrupts:
+        raise interrupts[0]  # after a release that happened: Python reports it, nothing queued
+
+
+def release_or_retry_later(release: Callable[[], object], what: str, driver: Any) -> None:
+    """Call ``release()`` for something already forgotten by its holder (an event a newer
+    one replaced): released and forgotten as one step (an interrupt landing as it returns is
+    delivered after it), and a failure, an interrupt raised by the call included, queues it
+    for :func:`retry_deferred` before it propagates: never leaked, never released twice."""
+    interrupts: list[BaseException] = []
+    try:
+        with deferred_interrupts(collect=interrupts):
+            release()
+    except BaseException:
+        with _deferred_lock:
+            _deferred.append((driver, release, what))
+        raise
+    if interrupts:
+        raise interrupts[0]
 
 
 def retry_deferred(driver: Any = None) -> None:

@@ -139,7 +139,8 @@ class VirtualBuffer(Defragmenting):
         self._telling: MappingListener | None = None
         driver.ensure_context(device_index)
         retry_deferred(driver)  # releases that failed in a finalizer: retried at next use
-        self.base_ptr = driver.reserve(self.reserved_size, granularity)
+        with deferred_interrupts():  # reserved and recorded as one step (the finalizer frees it)
+            self.base_ptr = driver.reserve(self.reserved_size, granularity)
 
     # -- queries --------------------------------------------------------------------
     @property
@@ -274,7 +275,16 @@ class VirtualBuffer(Defragmenting):
             raise
 
     def _commit_gap(self, offset: int, size_end: int) -> tuple[int, int, Any]:
-        """Create, map and grant one chunk over ``[offset, size_end)``; record it."""
+        """Create, map and grant one chunk over ``[offset, size_end)``; record it.
+
+        Acquired and recorded as one step: an interrupt (a Ctrl-C during a slow create or
+        map, delivered as the call returns) is held back until the chunk is recorded or
+        rolled back, so it is never taken for a failure of a call that succeeded (a mapped
+        chunk released and forgotten, its range freed under the mapping later)."""
+        with deferred_interrupts():
+            return self._commit_gap_now(offset, size_end)
+
+    def _commit_gap_now(self, offset: int, size_end: int) -> tuple[int, int, Any]:
         driver = self._driver
         size = size_end - offset
         ptr = self.base_ptr + offset

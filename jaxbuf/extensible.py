@@ -20,6 +20,8 @@ from jaxbuf import interop
 from jaxbuf._checks import as_int as _as_int
 from jaxbuf._defragment import defragment_segments
 from jaxbuf._errors import ClosedError, attempt
+from jaxbuf._interrupts import deferred_interrupts
+from jaxbuf._lifetime import release_or_retry_later, release_when_collected
 from jaxbuf._owner import Lifetime
 from jaxbuf._peers import check_peers, parse_peer_specs
 from jaxbuf._reservation import MIN_GRANULARITY, MappingListener, commit_granule, round_up
@@ -335,7 +337,8 @@ class ExtensibleTensor(SegmentedReservation):
             try:
                 for start, end in grown:
                     driver.memset(buffer.base_ptr + start, 0, end - start, index)
-                event = driver.record_ready_event(index)
+                with deferred_interrupts():  # recorded as it is made: no event left untracked
+                    self._set_ready_event(driver.record_ready_event(index))
             except BaseException as error:
                 # Memsets already issued would have no event ordering them before later
                 # consumers (a grow without zeroing records none): let them finish here.
@@ -343,7 +346,6 @@ class ExtensibleTensor(SegmentedReservation):
                 raise
             finally:
                 del held
-            self._set_ready_event(event)
         self._committed = new_sizes
 
     # -- peer access ----------------------------------------------------------------
@@ -370,10 +372,20 @@ class ExtensibleTensor(SegmentedReservation):
         """Devices other than :attr:`device` granted access (in the order granted)."""
         return self._peer_devices
 
+    def __del__(self, _release: Any = release_when_collected) -> None:
+        # A tensor collected unfreed (its creator interrupted before handing it out): its
+        # memory frees itself (the reservation's own finalizer); the ready event is ours.
+        event = getattr(self, "_ready_event", None)
+        if event is not None:
+            self._ready_event, driver = None, self._driver
+            _release(lambda: driver.destroy_event(event), "a ready event", driver=driver)
+
     def _set_ready_event(self, event: Any) -> None:
-        previous, self._ready_event = self._ready_event, event
-        if previous is not None:
-            self._driver.destroy_event(previous)
+        with deferred_interrupts():  # swapped and the old one destroyed as one step
+            previous, self._ready_event = self._ready_event, event
+            if previous is not None:
+                driver = self._driver  # a failed destroy is retried, the event never leaked
+                release_or_retry_later(lambda: driver.destroy_event(previous), "an event", driver)
 
     # -- registrations that follow the memory ----------------------------------------
     def add_mapping_listener(self, listener: MappingListener) -> None:
@@ -463,12 +475,13 @@ class ExtensibleTensor(SegmentedReservation):
             # After the close, never before: a copy export on another thread that read the
             # sizes before the close then sees it (and refuses), instead of copying zeros.
             self._committed = [0] * self.num_segments
+        # The ready event goes first: a free() an interrupt cuts short here is retried whole.
+        self._set_ready_event(None)
         # Released, or left to the exports (the anchor holds the buffer; its __del__ runs
         # when the last export goes): either way this handle holds it no more, nor the
         # views it kept (which refer back to it).
         self._buffer = None
         self._views = None
-        self._set_ready_event(None)
 
     close = free
 

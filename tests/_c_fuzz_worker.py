@@ -185,11 +185,84 @@ def _short(value) -> str:
     return text if len(text) < 200 else text[:200] + "..."
 
 
+def exchange(tensor: dict) -> tuple:
+    """``managed_tensor_to_py_object_no_sync`` of a consumer's tensor built from ``tensor``
+    (random fields: version, data, ndim, shape, strides, byte_offset, dtype, device, flags,
+    deleter), through the table ``BufferView.__dlpack_c_exchange_api__`` points at.
+
+    Replies ``("ok", (ptr, nbytes, shape))`` or ``("raised", type, message)``; either way
+    the deleter must have run exactly once once the view is gone, with no exception pending
+    (it calls Python code that fails with one), else ``("undocumented", why)``."""
+    import ctypes
+
+    from jaxbuf import _dlpack
+    from jaxbuf.views import BufferView
+
+    deleted: list[int] = []
+
+    def on_delete(address):
+        deleted.append(address)
+        int("0")  # works only with no exception pending
+
+    deleter_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    deleter = deleter_type(on_delete)
+    to_py_type = ctypes.PYFUNCTYPE(
+        ctypes.c_int,
+        ctypes.POINTER(_dlpack.DLManagedTensorVersioned),
+        ctypes.POINTER(ctypes.c_void_p),
+    )
+    api = ctypes.pythonapi.PyCapsule_GetPointer
+    api.argtypes, api.restype = (ctypes.py_object, ctypes.c_char_p), ctypes.c_void_p
+    table = api(BufferView.__dlpack_c_exchange_api__, b"dlpack_exchange_api")
+    # The header (version, prev_api), then allocator, from, to: the third function pointer.
+    to_py = to_py_type(ctypes.c_void_p.from_address(table + 8 + 8 + 2 * 8).value)
+
+    data = np.zeros(256, np.uint8)
+    shape = (ctypes.c_int64 * 64)(*tensor["shape"])  # the caller's arrays hold what ndim says
+    strides = (ctypes.c_int64 * 64)(*tensor["strides"])
+    managed = _dlpack.DLManagedTensorVersioned()
+    managed.version.major, managed.version.minor = tensor["version"]
+    managed.flags = tensor["flags"]
+    managed.deleter = ctypes.cast(deleter, ctypes.c_void_p).value if tensor["deleter"] else None
+    dl = managed.dl_tensor
+    dl.data = data.ctypes.data if tensor["data"] else None
+    dl.ndim = tensor["ndim"]
+    dl.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)) if tensor["shape_set"] else None
+    dl.strides = (
+        ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)) if tensor["strides_set"] else None
+    )
+    dl.byte_offset = tensor["byte_offset"]
+    dl.device.device_type, dl.device.device_id = tensor["device"]
+    dl.dtype.code, dl.dtype.bits, dl.dtype.lanes = tensor["dtype"]
+    out = ctypes.c_void_p()
+    try:
+        to_py(ctypes.byref(managed), ctypes.byref(out))
+    except ALLOWED as error:
+        reply = ("raised", type(error).__name__, str(error))
+    except BaseException:  # noqa: BLE001 - reported to the runner as a failure
+        return ("undocumented", traceback.format_exc())
+    else:
+        view = ctypes.cast(out, ctypes.py_object).value
+        ctypes.pythonapi.Py_DecRef.argtypes = (ctypes.c_void_p,)
+        ctypes.pythonapi.Py_DecRef(out)
+        reply = ("ok", (view.ptr, view.nbytes, view.shape))
+        if view.nbytes and not view.ptr:
+            return ("undocumented", f"a view at address 0 over {view.nbytes} bytes")
+        del view
+        gc.collect()
+    expected = [ctypes.addressof(managed)] if tensor["deleter"] else []
+    if deleted != expected:
+        return ("undocumented", f"deleter calls {deleted}, expected {expected}")
+    return reply
+
+
 def handle(op: str, kwargs: dict):
     if op == "start":
         return ("ok", "started")
     if op == "run":
         return ("ok", Example().run(kwargs["calls"]))
+    if op == "exchange":
+        return ("ok", [exchange(tensor) for tensor in kwargs["tensors"]])
     raise AssertionError(op)
 
 

@@ -1528,9 +1528,11 @@ def _hostile(layout: dict, mutation: str, num_fds: int) -> dict:
 
 
 class _Armed:
-    """Arms ``fault`` (``(kind, nth)``, ``(kind, nth, "interrupt")`` or None) on the driver
-    for one step, disarms after. An interrupt fault raises ``KeyboardInterrupt`` at that call
-    (a Ctrl-C, or an exception from a signal handler, landing there)."""
+    """Arms ``fault`` (``(kind, nth)``, ``(kind, nth, "interrupt")``, ``(kind, nth,
+    "after")`` or None) on the driver for one step, disarms after. An interrupt fault raises
+    ``KeyboardInterrupt`` at that call (a Ctrl-C, or an exception from a signal handler,
+    landing there: the call fails); an "after" fault raises SIGINT as the call returns (the
+    call done, the Ctrl-C delivered where the library lets it land)."""
 
     def __init__(self, driver, fault):
         self.driver, self.fault = driver, fault
@@ -1540,10 +1542,14 @@ class _Armed:
             kind, nth, *interrupt = self.fault
             if interrupt:
                 _TIMER.step_interruptible = True
-            self.driver.fail_on(kind, nth, KeyboardInterrupt() if interrupt else None)
+            if interrupt == ["after"]:
+                self.driver.signal_after = [kind, nth]
+            else:
+                self.driver.fail_on(kind, nth, KeyboardInterrupt() if interrupt else None)
 
     def __exit__(self, *exc_info):
         self.driver.disarm()
+        self.driver.signal_after = None
 
 
 def _is_driver_error(error: BaseException) -> bool:
@@ -1683,6 +1689,19 @@ class _Timer:
 
 _TIMER = _Timer()
 _MAIN_THREAD = threading.get_ident()
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C raises, as in a shell
+
+
+def _signal_after(driver, kind: str) -> None:
+    """An "after" fault: SIGINT raised just as the armed call returned, so the Ctrl-C lands
+    where one during a slow driver call does (held back by the library's deferred blocks,
+    where it records what the call made or released)."""
+    armed = driver.signal_after
+    if armed is not None and armed[0] == kind and threading.get_ident() == _MAIN_THREAD:
+        armed[1] -= 1
+        if not armed[1]:
+            driver.signal_after = None
+            signal.raise_signal(signal.SIGINT)
 
 
 @functools.cache
@@ -1691,11 +1710,13 @@ def _interruptible_driver():
     :class:`_Timer`); its books always match the memory."""
     from jaxbuf.testing import FAULT_KINDS, FaultInjectingDriver
 
-    def deferring(method):
+    def deferring(method, kind):
         def call(self, *args, **kwargs):
             timer = _TIMER
             if threading.get_ident() != _MAIN_THREAD or not timer.live:
-                return method(self, *args, **kwargs)
+                result = method(self, *args, **kwargs)
+                _signal_after(self, kind)
+                return result
             if timer.pending and not timer.books:
                 timer.fire()  # before the call: it has no effect
             timer.books += 1
@@ -1708,10 +1729,11 @@ def _interruptible_driver():
         return call
 
     methods = {
-        kind: deferring(getattr(FaultInjectingDriver, kind))
+        kind: deferring(getattr(FaultInjectingDriver, kind), kind)
         for kind in FAULT_KINDS
         if kind in FaultInjectingDriver.__dict__
     }
+    methods["signal_after"] = None  # [kind, calls left]: armed by an "after" fault
     return type("InterruptibleDriver", (FaultInjectingDriver,), methods)
 
 

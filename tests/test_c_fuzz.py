@@ -247,3 +247,53 @@ def test_bad_records_raise_instead_of_reading_past_the_contents(worker):
     reply = worker.call("run", calls=uninitialized)[1]
     assert reply[1][:2] == ("raised", "TypeError") and "not initialized" in reply[1][2]
     assert reply[2][:2] == ("raised", "TypeError")
+
+
+# A consumer's managed tensor as a C caller may fill it: every field random, consistent or not.
+exchange_tensor = st.fixed_dictionaries(
+    {
+        "version": st.tuples(st.sampled_from([1, 1, 1, 0, 2, 2**32 - 1]), st.integers(0, 5)),
+        "flags": st.sampled_from([0, 1, 2, 3, 4, 2**63]),
+        "deleter": st.booleans(),
+        "data": st.booleans(),
+        "ndim": st.sampled_from([0, 1, 2, 3, 4, -1, 64, 65, 2**31 - 1]),
+        "shape_set": st.booleans(),
+        "shape": st.lists(
+            st.sampled_from([0, 1, 2, 3, 4, -1, -(2**63), 2**62, 2**63 - 1]), max_size=4
+        ),
+        "strides_set": st.booleans(),
+        "strides": st.lists(st.sampled_from([0, 1, 2, 4, -1, 2**63 - 1]), max_size=4),
+        "byte_offset": st.sampled_from([0, 4, 64, 2**64 - 16]),
+        "device": st.tuples(st.sampled_from([1, 2, 13, 16, 0]), st.sampled_from([0, 1, -1])),
+        "dtype": st.tuples(
+            st.integers(0, 6), st.sampled_from([0, 1, 8, 16, 32, 64]), st.sampled_from([1, 0, 2])
+        ),
+    }
+)
+
+
+def test_the_exchange_api_takes_any_consumer_tensor(worker):
+    """``managed_tensor_to_py_object_no_sync`` with random, often inconsistent consumer
+    tensors (NULL data, shape or strides, bad versions, ranks, extents, offsets, flags, no
+    deleter): each is imported or refused with a documented error, never crashes, never
+    gives a view at address 0 over bytes, and its deleter runs exactly once, with no
+    exception pending."""
+    outcomes = {"ok": 0, "raised": 0}
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(tensors=st.lists(exchange_tensor, min_size=1, max_size=8))
+    def run(tensors):
+        worker.ensure()
+        for tensor, outcome in zip(tensors, worker.call("exchange", tensors=tensors)[1]):
+            if outcome[0] == "undocumented":
+                raise AssertionError(f"{tensor}:\n{outcome[1]}")
+            outcomes[outcome[0]] += 1
+
+    run()
+    assert outcomes["ok"] and outcomes["raised"], outcomes

@@ -171,7 +171,9 @@ def test_the_managed_tensor_is_what_dlpack_exports(device, dtype, shape):
     expected = _dlpack.DLManagedTensorVersioned.from_address(capsule_pointer(capsule))
     managed = from_py(view)
     assert anchor.live_exports == start + 2
-    assert (managed.version.major, managed.version.minor) == (1, 0)
+    # dlpack.h: the version of the header the producer follows, the table's own.
+    table_version = (API.header.version.major, API.header.version.minor)
+    assert (managed.version.major, managed.version.minor) == table_version == (1, 3)
     assert managed.flags == expected.flags == 0
     assert fields(managed.dl_tensor) == fields(expected.dl_tensor)
     if len(shape) > 0:
@@ -492,6 +494,135 @@ for deletes in (True, False, True):
 print("done")
 """
     ).format(tests=str(__import__("pathlib").Path(__file__).parent))
+    assert_normal_exit(run_child(script))
+
+
+def test_a_null_py_object_is_refused():
+    """A C caller passing NULL for the object gets a ValueError naming it, not a crash (in a
+    child: the unfixed functions dereference it)."""
+    script = """
+import ctypes, sys
+sys.path.insert(0, {tests!r})
+from test_dlpack_c_api import API, ManagedPointer
+from jaxbuf import _dlpack
+
+for name, out in (("managed_tensor_from_py_object_no_sync", ManagedPointer()),
+                  ("dltensor_from_py_object_no_sync", _dlpack.DLTensor())):
+    call = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(getattr(API, name))
+    try:
+        call(None, ctypes.addressof(out))
+    except ValueError as error:
+        assert "py_object is NULL" in str(error) and name in str(error), error
+    else:
+        raise AssertionError(name + " took a NULL object")
+print("done")
+""".format(tests=str(__import__("pathlib").Path(__file__).parent))
+    assert_normal_exit(run_child(script))
+
+
+def test_null_data_under_elements_is_refused_and_deleted():
+    """A consumer's tensor with ``data = NULL`` and elements describes no memory: refused with
+    ``BufferError`` (no view at address 0 for numpy or torch to read), the tensor deleted."""
+    tensor, source, _ = make_view("cpu", "float32", (4,))
+    anchor = tensor.export_anchor
+    managed = from_py(source)
+    managed.dl_tensor.data = None
+    managed.dl_tensor.byte_offset = 64
+    with pytest.raises(BufferError, match="NULL data"):
+        to_py(managed)
+    assert anchor.live_exports == 0
+    del source
+    tensor.free()
+
+
+def test_an_empty_tensor_may_have_null_data():
+    tensor, source, _ = make_view("cpu", "float32", (0, 4))
+    view = to_py(from_py(source))
+    assert (view.ptr, view.nbytes, view.shape) == (0, 0, (0, 4))
+    assert view.to_numpy().shape == (0, 4)
+    del view
+    gc.collect()
+    tensor.free()
+
+
+# What each malformed field of a consumer's tensor is refused with, by
+# managed_tensor_to_py_object_no_sync (a BufferError naming the field).
+MALFORMED = {
+    "strided": "strided",
+    "major version 2": "major version 2",
+    "major version 0": "major version 0",
+    "null data": "NULL data",
+    "negative extent": "extent -2",
+    "null shape": "NULL shape",
+    "negative ndim": "ndim -1",
+    "huge ndim": "ndim 100000",
+    "offset wraps": "wraps",
+}
+
+
+def test_a_refused_foreign_tensor_keeps_its_error_and_is_deleted_once():
+    """A consumer's own tensor (its deleter a Python callback, as through ctypes), refused for
+    each malformed field: the caller gets the ``BufferError`` itself (not a ``SystemError`` or
+    ``PyObject is NULL``), the deleter runs once with no exception pending, nothing is
+    reported as ignored. In a child: the stderr is checked."""
+    script = """
+import ctypes, sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+from test_dlpack_c_api import API, DELETER, MALFORMED, TO_PY
+from jaxbuf import _dlpack
+
+data = np.arange(6, dtype=np.float32)
+shape = (ctypes.c_int64 * 2)(2, 3)
+strides = (ctypes.c_int64 * 2)(3, 1)
+deleted = []
+
+def on_delete(address):
+    deleted.append(address)
+    int("0")  # Python code that works only with no exception pending
+
+deleter = DELETER(on_delete)
+to_py = TO_PY(API.managed_tensor_to_py_object_no_sync)
+for case, message in MALFORMED.items():
+    managed = _dlpack.DLManagedTensorVersioned()
+    managed.version.major, managed.version.minor = 1, 3
+    managed.deleter = ctypes.cast(deleter, ctypes.c_void_p).value
+    tensor = managed.dl_tensor
+    tensor.data, tensor.ndim = data.ctypes.data, 2
+    tensor.device.device_type = 1
+    tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes = 2, 32, 1
+    shape[:] = (2, 3)
+    tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    tensor.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
+    if case == "strided":
+        strides[0], strides[1] = 1, 2
+    elif case.startswith("major"):
+        managed.version.major = int(case[-1])
+    elif case == "null data":
+        tensor.data = None
+    elif case == "negative extent":
+        shape[1] = -2
+    elif case == "null shape":
+        tensor.shape = None
+    elif case == "negative ndim":
+        tensor.ndim = -1
+    elif case == "huge ndim":
+        tensor.ndim = 100000
+    elif case == "offset wraps":
+        tensor.byte_offset = 2**64 - 16
+    out = ctypes.c_void_p()
+    deleted.clear()
+    try:
+        to_py(ctypes.byref(managed), ctypes.byref(out))
+    except BufferError as error:
+        assert message in str(error), (case, error)
+    else:
+        raise AssertionError(case + " was imported")
+    assert deleted == [ctypes.addressof(managed)], (case, deleted)
+    assert not out.value
+    strides[0], strides[1] = 3, 1
+print("done")
+""".format(tests=str(__import__("pathlib").Path(__file__).parent))
     assert_normal_exit(run_child(script))
 
 

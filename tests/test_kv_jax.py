@@ -125,6 +125,69 @@ def test_the_step_checks_what_fn_returns_and_refuses_once_closed():
         kv.free()
 
 
+@pytest.mark.parametrize(
+    "wrong, error, message",
+    [
+        (lambda c: c[:1], ValueError, r"caches\[1\] of shape \(1, 128\); the buffer holds"),
+        (lambda c: c.astype(jnp.float16), TypeError, r"caches\[1\] of dtype float16"),
+        (lambda c: c.T, ValueError, r"caches\[1\] of shape \(128, 8\)"),
+        (lambda c: c.reshape(-1), ValueError, r"caches\[1\] of shape \(1024,\)"),
+    ],
+    ids=["prefix", "dtype", "transpose", "flat"],
+)
+def test_an_output_the_cache_cannot_take_is_refused_before_any_byte_is_copied(
+    wrong, error, message
+):
+    """``fn`` returning a cache of another shape, dtype or layout: an error naming it, and
+    the cache keeps its values (a numpy model), where the unchecked copy read past the
+    output (a prefix, a narrower dtype) or copied it scrambled (a transpose)."""
+    builder = ExtensibleKVCacheBuilder(CAPACITY, "cpu")
+    builder.reserve(CAPACITY * 1024, 2)
+    kv = builder.finish()
+    kv.commit(CAPACITY)
+    try:
+        good = KVCacheStep(kv, lambda caches, value: ([c + value for c in caches], 0), "float32")
+        good(jnp.float32(1.5))
+        model = [np.full((CAPACITY, 128), 1.5, np.float32)] * 2
+        bad = KVCacheStep(kv, lambda caches: ([caches[0] + 1, wrong(caches[1] + 1)], 0), "float32")
+        with pytest.raises(error, match=message):
+            bad()
+        held = [np.from_dlpack(v, device="cpu", copy=True) for v in kv.layer_views("float32")]
+        for got, expected in zip(held, model):
+            np.testing.assert_array_equal(got, expected)
+        good(jnp.float32(1.0))  # the cache and the good step still work
+        held = np.from_dlpack(kv.layer_views("float32")[1], device="cpu", copy=True)
+        np.testing.assert_array_equal(held, model[1] + 1.0)
+        good.close()
+        bad.close()
+    finally:
+        kv.free()
+
+
+def test_a_step_over_a_freed_cache_raises_closed_error():
+    """Freeing the cache under a step: the next call raises ``ClosedError`` and runs nothing
+    (it used to run and drop every write)."""
+    from jaxbuf import ClosedError
+
+    builder = ExtensibleKVCacheBuilder(CAPACITY, "cpu")
+    builder.reserve(CAPACITY * 1024, 1)
+    kv = builder.finish()
+    calls = []
+
+    def fn(caches):
+        calls.append(1)
+        return [c + 1 for c in caches], 0
+
+    step = KVCacheStep(kv, fn, "float32")
+    kv.free()
+    with pytest.raises(ClosedError, match="ExtensibleKVCacheBuffers has been freed"):
+        step()
+    assert calls == []  # not even traced
+    step.close()
+    with pytest.raises(ClosedError, match="KVCacheStep has been closed"):
+        step()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_step_in_flight_reads_the_old_values(device):
     """A step still running when the host changes a value and syncs computes with the value

@@ -65,6 +65,29 @@ def test_sync_uploads_only_what_changed(device):
         assert _device_values(table, "greedy").tolist() == [False, False, False, True]
 
 
+def test_assigning_a_column_writes_through_and_uploads(device):
+    """``table[name].np = values`` writes into the table's column (a numpy model of the host
+    table), so ``sync`` uploads it; it used to rebind the name, ``sync`` returned False and
+    the device kept its zeros. Values of another length raise naming the field and change
+    nothing; ``gpu`` cannot be rebound."""
+    with DeviceParamTable(4, FIELDS, device) as table:
+        column = table["temperature"].np
+        table["temperature"].np = np.full(4, 0.5)
+        assert table["temperature"].np is column
+        assert table.sync() is True
+        np.testing.assert_array_equal(_device_values(table, "temperature"), np.full(4, 0.5))
+        table["top_k"].np = 7  # a scalar fills the column, as np[:] = 7 does
+        table["top_k"].np += 1  # augmented assignment rebinds the column to itself
+        assert table.sync() is True
+        assert _device_values(table, "top_k").tolist() == [8] * 4
+        for bad in (np.zeros(3), np.zeros((4, 1)), [1, 2, 3, 4, 5]):
+            with pytest.raises(ValueError, match="field 'seed' holds 4 values"):
+                table["seed"].np = bad
+        assert not table.changed()
+        with pytest.raises(AttributeError):
+            table["seed"].gpu = table["top_k"].gpu
+
+
 def test_the_staging_slots_rotate_and_wait_for_their_copy():
     driver = FaultInjectingDriver(get_vmm_driver("cpu"), simulate_events=True)
     with DeviceParamTable(4, FIELDS, "cpu", max_concurrency=2, driver=driver) as table:

@@ -56,6 +56,47 @@ def test_transfer_arguments_are_named(tensor):
         other.free()
 
 
+@pytest.mark.parametrize("bad", [object(), 5, None, np.zeros(4)])
+def test_kv_endpoint_names_a_tensor_that_is_not_one(bad):
+    """A non-tensor used to fail with ``AttributeError: ... 'num_segments'``."""
+    with pytest.raises(TypeError, match="tensor must be an ExtensibleTensor"):
+        KVEndpoint("named-bad", bad, KVLayout(4096))
+
+
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        (None, TypeError, "fds must be a sequence of file descriptors"),
+        (5, TypeError, "fds must be a sequence of file descriptors"),
+        (["3"], TypeError, r"fds\[0\] must be an integer"),
+        ([2.5], TypeError, r"fds\[0\] must be an integer"),
+        ([True], TypeError, r"fds\[0\] must be an integer, got the bool"),
+        ([-1], ValueError, r"fds\[0\] must be a file descriptor \(>= 0\), got -1"),
+        ([2**20], ValueError, r"fds\[0\] = 1048576 is not an open file descriptor"),
+    ],
+)
+def test_imported_buffer_names_a_bad_descriptor(tensor, bad, error, message):
+    """A descriptor list that is not one, or an entry that is no open descriptor: the error
+    names ``fds`` or ``fds[i]`` (it was ``OSError: Bad file descriptor`` or ``'int' object is
+    not iterable``); nothing is mapped, and a bool is never taken for stdout and closed."""
+    layout, fds = export_layout(tensor)
+    try:
+        with pytest.raises(error, match=message):
+            ImportedBuffer(layout, bad)
+        os.fstat(1)  # stdout is still open
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_imported_buffer_closes_the_good_descriptors_of_a_refused_list(tensor):
+    layout, fds = export_layout(tensor)
+    with pytest.raises(ValueError, match=r"fds\[1\] must be a file descriptor"):
+        ImportedBuffer(layout, [fds[0], -1])
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(fds[0])  # closed: the import owned it
+
+
 def test_export_layout_since_a_partial_layout_is_a_value_error(tensor):
     layout, fds = export_layout(tensor)
     for fd in fds:

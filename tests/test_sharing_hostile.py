@@ -831,5 +831,90 @@ ROLES = {
     "copy-import": role_copy_import,
 }
 
+_RSS_CHILD = r"""
+import json, resource, socket, struct, sys, threading
+from jaxbuf import sharing
+
+rows = 7 * (1 << 20) // len("[0,0,0],")
+payload = json.dumps({"version": 1, "all_chunks": [[0, 0, 0]] * rows, "chunks": []},
+                     separators=(",", ":")).encode()
+message = struct.pack("!4sQI", b"JXB1", len(payload), 0) + payload
+mine, theirs = socket.socketpair()
+
+def send():
+    try:
+        theirs.sendall(message)
+    except OSError:
+        pass  # the receiver refused and hung up
+
+sender = threading.Thread(target=send)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+sender.start()
+try:
+    sharing.recv_buffer(mine, timeout=30)
+except ValueError as error:
+    outcome = f"refused: {error}"
+else:
+    outcome = "imported"
+mine.close()
+sender.join()
+theirs.close()
+grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024
+print(json.dumps({"outcome": outcome, "grown_mib": grown, "payload_mib": len(payload) >> 20}))
+"""
+
+
+def test_a_bloated_layout_is_refused_before_it_is_parsed():
+    """7 MiB of ``[0,0,0]`` rows with no descriptor: ``recv_buffer`` refuses it by its
+    announced size, before reading it, and the receiver's peak RSS barely moves (parsed,
+    it grew by 115 MiB). In a child, so the peak is this message's alone."""
+    result = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["payload_mib"] >= 7, report
+    assert report["outcome"].startswith("refused: a jaxbuf layout of 0 sent and 0 held"), report
+    assert report["grown_mib"] < 16, report
+
+
+def test_an_update_may_list_the_chunks_it_holds_without_descriptors():
+    """The bound counts the chunks an importer holds: an update listing many held chunks
+    and sending few descriptors still arrives (a model: one real tensor of many chunks)."""
+    from unittest import mock
+
+    import jaxbuf
+    from jaxbuf import sharing
+
+    owner = jaxbuf.ExtensibleTensor(64 << 20, "cpu")
+    try:
+        for i in range(1, 17):
+            owner.resize_per_segment_(i * (2 << 20))  # 16 chunks
+        mine, theirs = socket.socketpair()
+        with mine, theirs:
+            first, fds = sharing.export_layout(owner)
+            sharing.send_layout(theirs, first, fds)
+            for fd in fds:
+                os.close(fd)
+            imported = sharing.recv_buffer(mine)
+            owner.resize_per_segment_(34 << 20)
+            layout, fds = sharing.export_layout(owner, since=first)
+            sharing.send_layout(theirs, layout, fds)
+            for fd in fds:
+                os.close(fd)
+            with mock.patch.object(sharing._wire, "_LAYOUT_BYTES", 0):  # rows only
+                imported.refresh(mine)
+            assert imported.committed_sizes == owner.committed_sizes
+            with mock.patch.object(sharing._wire, "_LAYOUT_BYTES", 0):
+                layout, fds = sharing.export_layout(owner)
+                sharing.send_layout(theirs, layout, fds)  # all 17 again, with descriptors
+                for fd in fds:
+                    os.close(fd)
+                imported.refresh(mine)
+            imported.close()
+    finally:
+        owner.free()
+
+
 if __name__ == "__main__":
     ROLES[sys.argv[1]](*sys.argv[2:])

@@ -248,16 +248,22 @@ def test_close_interrupted_in_a_release_frees_every_slot_on_the_next_close():
 
 
 def test_an_event_destroy_is_retried_after_a_failure_never_after_an_interrupt():
-    """A driver failure keeps the handle for a retry; an interrupt is delivered as the
-    destroy returns (Python runs handlers between bytecodes), so the event is gone: a retry
-    would destroy it twice."""
+    """A failed destroy (an interrupt the call itself raised included) keeps the handle for a
+    retry; a Ctrl-C delivered as the destroy returns (Python runs handlers between bytecodes)
+    finds the event destroyed and forgotten: a retry would destroy it twice."""
+    import signal
+
     destroyed, errors = [], [KeyboardInterrupt(), RuntimeError("busy")]
+    signal_after = []
 
     class Driver:
         def destroy_event(self, handle):
             destroyed.append(handle)
             if errors:
                 raise errors.pop()
+            if signal_after:
+                signal_after.pop()
+                signal.raise_signal(signal.SIGINT)
 
     event = DeviceEvent.__new__(DeviceEvent)
     event._driver, event.handle = Driver(), 42
@@ -266,9 +272,17 @@ def test_an_event_destroy_is_retried_after_a_failure_never_after_an_interrupt():
     assert event.handle == 42  # failed: kept
     with pytest.raises(KeyboardInterrupt):
         event.release()
+    assert event.handle == 42  # the call raised it, so it failed: kept
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        signal_after.append(True)
+        with pytest.raises(KeyboardInterrupt):
+            event.release()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert event.handle is None  # destroyed as the interrupt landed: forgotten
     event.release()
-    assert destroyed == [42, 42]  # the failed call and the one that destroyed it, no third
+    assert destroyed == [42, 42, 42]  # two failed calls and the one that destroyed it
 
 
 def test_a_bad_mode_is_refused():

@@ -17,8 +17,9 @@ Invariants checked after every step (by the worker, tests/_stateful_worker.py):
 * a NonUvaBuffer whose ``np`` was rebound copies exactly what it holds, or refuses clearly;
 * free() racing an export on another thread ends in ClosedError or success;
 * a KeyboardInterrupt at an unmap, release or free_reserved of ``release_physical`` or of
-  ``defragment``'s cleanup leaves the tensor as a failed release or a completed defragment
-  would, and the driver's invariants hold (the interrupt is the failure of that one step);
+  ``defragment``'s cleanup, or at an acquisition of its swap (reserve, create, map, a move),
+  raised by the call or as it returned, leaves the tensor as a failed release, a rolled-back
+  or a completed defragment would, and the driver's invariants hold;
 * a KeyboardInterrupt at any driver call of any step is the failure of that one call: the
   model treats it as a DriverError there, and an interrupted free() or close() finishes on
   the next call (which must succeed);
@@ -98,10 +99,16 @@ faults = (
 faults |= st.tuples(st.sampled_from(FAULT_KINDS), st.integers(1, 3), st.just("interrupt"))
 # The timer signal's delay: within a step's driver calls and Python, or past its end.
 delays_us = st.integers(1, 400) | st.integers(400, 5000)
-# A Ctrl-C (KeyboardInterrupt) at a call of a release: release_physical's unmaps and releases,
-# and defragment's cleanup after its swap (its only unmaps, releases and free_reserved calls).
+# A Ctrl-C (KeyboardInterrupt) at a call of a release or an acquisition: release_physical's
+# unmaps and releases, defragment's swap (reserve, create, map, moves: rolled back, the bytes
+# kept) and its cleanup after the swap; raised by the call (it failed) or as it returned
+# ("after": the call done, the interrupt held back until the library recorded it).
 interrupts = st.tuples(
-    st.sampled_from(("unmap", "release", "free_reserved")), st.integers(1, 2), st.just("interrupt")
+    st.sampled_from(
+        ("unmap", "release", "free_reserved", "reserve", "create", "map", "move_mapping")
+    ),
+    st.integers(1, 2),
+    st.sampled_from(["interrupt", "after"]),
 )
 # The calls a release makes: drops and collections, which run the deferred releases of deleters
 # and finalizers, arm these most.

@@ -52,6 +52,7 @@ reject (a misaligned address, a non-positive size, a device other than 0) raise
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -65,6 +66,7 @@ import sys
 import threading
 from collections import deque
 
+from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf.drivers._posix import (
     MAP_FAILED,
     check_args,
@@ -147,6 +149,16 @@ class HostChunk:
         state = "released" if self.released else "mapped" if self.mapped else "created"
         access = ", read-only" if self.read_only else ""
         return f"HostChunk(fd={self.fd}, size={self.size}, {state}{access})"
+
+    def close_descriptor(self, _close=os.close) -> None:  # noqa: ANN001 - bound at exit
+        """Close the memfd of a chunk never mapped (its only reference to the pages)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            _close(fd)
+
+    def __del__(self, _suppress=contextlib.suppress) -> None:  # noqa: ANN001 - bound at exit
+        with _suppress(AttributeError, OSError):  # a chunk lost to an interrupt: its memfd
+            self.close_descriptor()  # is no one's (Linux frees the fd even on an error)
 
 
 class HostVmmDriver(VmmDriver):
@@ -307,10 +319,12 @@ class HostVmmDriver(VmmDriver):
     def create(self, size: int, device_index: int) -> HostChunk:
         check_device("memfd_create", device_index)
         check_args("memfd_create", size)
-        try:
-            fd = os.memfd_create("jaxbuf-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError as exc:
-            raise DriverError("memfd_create", errno_name(exc.errno), size=size) from None
+        with deferred_interrupts():  # created and owned as one step (see HostChunk.__del__)
+            try:
+                fd = os.memfd_create("jaxbuf-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            except OSError as exc:
+                raise DriverError("memfd_create", errno_name(exc.errno), size=size) from None
+            chunk = HostChunk(fd, size)
         call = "fchmod"
         try:
             os.fchmod(fd, 0o600)  # see "Sealed chunks" in the module docstring
@@ -328,14 +342,14 @@ class HostVmmDriver(VmmDriver):
             call = "fcntl(F_ADD_SEALS)"
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _CHUNK_SEALS)
         except OSError as exc:
-            os.close(fd)
+            chunk.close_descriptor()
             raise DriverError(call, errno_name(exc.errno), size=size) from None
         except BaseException:
             # An interrupt (a signal handler raising during posix_fallocate's seconds of
             # work): the memfd, its pages committed already, is no one's else.
-            os.close(fd)
+            chunk.close_descriptor()
             raise
-        return HostChunk(fd, size)
+        return chunk
 
     def release(self, handle: HostChunk) -> None:
         if handle.released:
@@ -532,7 +546,8 @@ class HostVmmDriver(VmmDriver):
         if info.st_size != size:
             raise DriverError("import_handle", "EINVAL", fd=fd, size=size, file_size=info.st_size)
         try:
-            return HostChunk(os.dup(fd), size, read_only=access == os.O_RDONLY)
+            with deferred_interrupts():  # duplicated and owned as one step
+                return HostChunk(os.dup(fd), size, read_only=access == os.O_RDONLY)
         except OSError as exc:
             raise DriverError("dup", errno_name(exc.errno), fd=fd) from None
 

@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import ClosedError
 from ..devices import Device, DeviceLike, as_device
 from ..dtypes import DTypeLike
 from ..extensible import ExtensibleTensor, granule_size
@@ -105,13 +106,18 @@ class KVCacheStep:
         self._checked = False
 
     def __call__(self, *args: Any) -> Any:
+        """Run ``fn`` and return its output. ``ClosedError`` for a closed step or a freed
+        cache (nothing runs); ``ValueError`` / ``TypeError`` naming the output when ``fn``
+        returns caches the buffers cannot take (a count, shape, dtype or layout other than the
+        inputs'), raised before any byte is copied back, so the cache keeps its values."""
         caches = self._caches
         if caches is None:
-            raise RuntimeError("KVCacheStep is closed")
+            raise ClosedError("KVCacheStep", "closed")
+        if self.kv.freed:
+            raise ClosedError("ExtensibleKVCacheBuffers", "freed", "a KVCacheStep needs its cache")
         updated, out = self._jitted(caches, *args)
         updated = list(updated)
-        if len(updated) != len(self._views):
-            raise ValueError(f"fn returned {len(updated)} caches, expected {len(self._views)}")
+        self._check_outputs(updated)
         if self.in_place:
             if not self._checked:
                 self._check_aliasing(updated)
@@ -119,6 +125,32 @@ class KVCacheStep:
         else:
             self._write_back(updated)
         return out
+
+    def _check_outputs(self, updated: list[Any]) -> None:
+        """Each output is what its buffer holds: the input's shape and dtype, row-major (the
+        write-back copies raw bytes, so anything else would over-read or scramble)."""
+        if len(updated) != len(self._views):
+            raise ValueError(f"fn returned {len(updated)} caches, expected {len(self._views)}")
+        for i, (array, cache) in enumerate(zip(updated, self._caches)):
+            shape, dtype = getattr(array, "shape", None), getattr(array, "dtype", None)
+            if shape is None or dtype is None or not hasattr(array, "unsafe_buffer_pointer"):
+                raise TypeError(f"fn returned caches[{i}] = {array!r}, not a JAX array")
+            if tuple(shape) != tuple(cache.shape):
+                raise ValueError(
+                    f"fn returned caches[{i}] of shape {tuple(shape)}; the buffer holds "
+                    f"{tuple(cache.shape)}"
+                )
+            if dtype != cache.dtype:
+                raise TypeError(
+                    f"fn returned caches[{i}] of dtype {dtype}; the buffer holds {cache.dtype}"
+                )
+            layout = getattr(getattr(array, "format", None), "layout", None)
+            order = getattr(layout, "major_to_minor", None)
+            if order is not None and tuple(order) != tuple(range(len(shape))):
+                raise ValueError(
+                    f"fn returned caches[{i}] in layout {tuple(order)} (major to minor); the "
+                    "buffer holds it row-major"
+                )
 
     def _check_aliasing(self, updated: list[Any]) -> None:
         for view, array in zip(self._views, updated):
@@ -144,7 +176,7 @@ class KVCacheStep:
     def caches(self) -> list[Any]:
         """The arrays the next step reads (over the buffers' memory)."""
         if self._caches is None:
-            raise RuntimeError("KVCacheStep is closed")
+            raise ClosedError("KVCacheStep", "closed")
         return list(self._caches)
 
     def compiled(self) -> int | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Mapping
@@ -12,7 +13,9 @@ import numpy as np
 
 from .. import interop
 from .._checks import as_count, as_max_concurrency
-from .._errors import Cleanup, ClosedError, attempt
+from .._errors import Cleanup, ClosedError, Rollback
+from .._interrupts import deferred_interrupts
+from .._lifetime import release_or_retry_later
 from .._resolve import resolve
 from ..devices import Device, DeviceLike
 from ..drivers.base import VmmDriver
@@ -24,6 +27,8 @@ from ..views import BufferView
 
 __all__ = ["FIELD_ALIGNMENT", "DeviceParamTable", "ParamField"]
 
+_NOTHING_HELD = contextlib.nullcontext()
+
 #: Every field starts at a multiple of this many bytes of the table: 8 is what any scalar
 #: needs; 64 is what JAX needs to import host memory (the CPU driver's) without a copy.
 FIELD_ALIGNMENT = 64
@@ -32,17 +37,44 @@ FIELD_ALIGNMENT = 64
 class ParamField:
     """One column of a :class:`DeviceParamTable`: ``np`` (``num_rows`` host values, the
     source of truth, written freely) and ``gpu`` (a :class:`~jaxbuf.BufferView` of the same
-    column in device memory: what the last :meth:`DeviceParamTable.sync` uploaded)."""
+    column in device memory: what the last :meth:`DeviceParamTable.sync` uploaded).
 
-    __slots__ = ("name", "dtype", "offset", "np", "gpu")
+    ``np`` is always the table's own column: ``field.np = values`` writes ``values`` into it
+    (as ``field.np[:] = values`` does; ``ValueError`` naming the field for values of another
+    length), so the next :meth:`~DeviceParamTable.sync` uploads them; it never rebinds the
+    name to an array the table does not see. ``gpu`` cannot be rebound."""
+
+    __slots__ = ("name", "dtype", "offset", "_np", "_gpu")
 
     def __init__(self, name: str, dtype: DType, offset: int, host: np.ndarray, gpu: BufferView):
         self.name, self.dtype, self.offset = name, dtype, offset
-        self.np = host
-        self.gpu = gpu
+        self._np = host
+        self._gpu = gpu
+
+    @property
+    def np(self) -> np.ndarray:
+        return self._np
+
+    @np.setter
+    def np(self, values: Any) -> None:
+        host = self._np
+        if values is host:
+            return  # field.np += 1 rebinds the column to itself
+        array = np.asarray(values)
+        if array.shape not in ((), host.shape):
+            raise ValueError(
+                f"field {self.name!r} holds {len(host)} values; got an array of shape {array.shape}"
+            )
+        host[:] = array
+
+    @property
+    def gpu(self) -> BufferView:
+        return self._gpu
 
     def __repr__(self) -> str:
-        return f"ParamField({self.name!r}, {self.dtype}, rows={len(self.np)}, offset={self.offset})"
+        return (
+            f"ParamField({self.name!r}, {self.dtype}, rows={len(self._np)}, offset={self.offset})"
+        )
 
 
 class _TableOwner:
@@ -197,55 +229,51 @@ class DeviceParamTable:
         self.num_rows, self.nbytes, self.max_concurrency = num_rows, nbytes, count
         self.device, self._driver = device, driver
         self._host = np.zeros(nbytes, np.uint8)
-        tensor = ExtensibleTensor(nbytes, device, driver=driver)
-        try:
+        with Rollback("DeviceParamTable") as undo:  # a failure frees what was made
+            tensor = ExtensibleTensor(nbytes, device, driver=driver)
+            undo.push(tensor.free)
             tensor.resize_per_segment_(nbytes, zero_new=True)
-        except BaseException as error:
-            attempt(error, "freeing the device table", tensor.free)
-            raise
-        self._tensor = tensor
-        self._owner = _TableOwner(tensor)
-        base = tensor.full_view()
-        self._device_ptr = base.ptr
-        self._fields: dict[str, ParamField] = {}
-        for (name, dtype), offset in zip(checked, offsets):
-            host = self._host[offset : offset + num_rows * dtype.itemsize].view(dtype.numpy)
-            gpu = BufferView(
-                base.ptr + offset,
-                num_rows * dtype.itemsize,
-                dtype,
-                (num_rows,),
-                device,
-                self._owner,
-                base.dlpack_device_type,
+            self._tensor = tensor
+            self._owner = _TableOwner(tensor)
+            base = tensor.full_view()
+            self._device_ptr = base.ptr
+            self._fields: dict[str, ParamField] = {}
+            for (name, dtype), offset in zip(checked, offsets):
+                host = self._host[offset : offset + num_rows * dtype.itemsize].view(dtype.numpy)
+                gpu = BufferView(
+                    base.ptr + offset,
+                    num_rows * dtype.itemsize,
+                    dtype,
+                    (num_rows,),
+                    device,
+                    self._owner,
+                    base.dlpack_device_type,
+                )
+                self._fields[name] = ParamField(name, dtype, offset, host, gpu)
+            self._ring = PinnedSlotRing(
+                count,
+                functools.partial(UvaBuffer, dtype="uint8", device=device, driver=driver),
+                UvaBuffer.free,
+                functools.partial(_device_wait, driver, device),
+                mode="wait",
+                owns_guards=False,  # the last upload's event is also the views' ready event
+                slot_type=_StagingSlot,
+                name="DeviceParamTable",
             )
-            self._fields[name] = ParamField(name, dtype, offset, host, gpu)
-        self._ring = PinnedSlotRing(
-            count,
-            functools.partial(UvaBuffer, dtype="uint8", device=device, driver=driver),
-            UvaBuffer.free,
-            functools.partial(_device_wait, driver, device),
-            mode="wait",
-            owns_guards=False,  # the last upload's event is also the views' ready event
-            slot_type=_StagingSlot,
-            name="DeviceParamTable",
-        )
-        try:  # every slot now: the first uploads stay cheap, a failure shows here
-            for slot in self._ring.slots:
+            undo.push(self._ring.close)
+            for slot in self._ring.slots:  # every slot now: the first uploads stay cheap
                 self._ring.grow(slot, nbytes)
-        except BaseException as error:
-            attempt(error, "closing the staging slots", self._ring.close)
-            attempt(error, "freeing the device table", tensor.free)
-            raise
+            # Whether the driver's copies run asynchronously (a platform with events).
+            with deferred_interrupts():  # made and destroyed as one step
+                probe = driver.record_ready_event(device.index)
+                self._asynchronous = probe is not None
+                if probe is not None:
+                    destroy = functools.partial(driver.destroy_event, probe)
+                    release_or_retry_later(destroy, "an event", driver)
         # The bytes the device holds (zeros until the first upload); None: unknown, after a
         # failed upload, so the next sync uploads whatever the host holds. Compared as
         # bytes: one copy and a memcmp, faster than numpy's comparisons at table sizes.
         self._uploaded: bytes | None = bytes(nbytes)
-        # Whether the driver's copies run asynchronously (a platform with events).
-        probe = driver.record_ready_event(device.index)
-        self._asynchronous = probe is not None
-        if probe is not None:
-            driver.destroy_event(probe)
         self._next = 0
         self._arrays: dict[str, dict[str, Any]] = {}
         self._closed = False
@@ -311,7 +339,13 @@ class DeviceParamTable:
     def _upload(self, current: bytes) -> None:
         ring, index = self._ring, self._next
         slot = ring.slots[index]
+        # The slot's event is held through the wait and destroyed here, unless it is still
+        # the views' ready event: a failure, or an interrupt as it is destroyed, reaches the
+        # caller (dropped, a finalizer would destroy it, and report the interrupt as ignored).
+        guard = slot.guard
         ring.wait(slot, index)
+        if isinstance(guard, DeviceEvent) and guard is not self._owner.event:
+            guard.release()
         slot.host[:] = np.frombuffer(current, np.uint8)
         driver, device = self._driver, self.device
         slot.guard = UNRECORDED  # the copy may read it from now on
@@ -323,10 +357,12 @@ class DeviceParamTable:
             # flight read the new values.
             interop.quiesce(device)
         driver.copy(self._device_ptr, slot.host.ctypes.data, self.nbytes, device.index)
-        handle = driver.record_ready_event(device.index)
-        event = None if handle is None else DeviceEvent(driver, handle, 1)
-        slot.guard = event
-        self._owner.event = event
+        # Recorded as it is made: an interrupt cannot leak it (the CPU makes none: no block).
+        with deferred_interrupts() if self._asynchronous else _NOTHING_HELD:
+            handle = driver.record_ready_event(device.index)
+            event = None if handle is None else DeviceEvent(driver, handle, 1)
+            slot.guard = event
+            self._owner.event = event
         self._next = (index + 1) % len(ring.slots)
 
     # -- lifetime -------------------------------------------------------------------------
@@ -343,7 +379,19 @@ class DeviceParamTable:
         self._owner.closed = True
         self._arrays = {}
         cleanup = Cleanup("DeviceParamTable.close")
+        # The upload events (each a slot's guard and, the last one, the views' ready event)
+        # are held here while the ring closes and destroyed by close() itself, not by a
+        # finalizer: a failure, or an interrupt as one is destroyed, reaches the caller.
+        holders = [self._owner.event, *(slot.guard for slot in self._ring.slots)]
+        events = {id(e): e for e in holders if isinstance(e, DeviceEvent)}
         cleanup.run(self._ring.close)
+        self._owner.event = None
+        # A slot the ring could not settle (its close failed) keeps its event for the retry.
+        for slot in self._ring.slots:
+            events.pop(id(slot.guard), None)
+        with deferred_interrupts(collect=cleanup.errors):  # each destroyed and forgotten
+            for event in events.values():
+                cleanup.run(event.release)
         cleanup.run(self._tensor.free)
         cleanup.raise_first()
 

@@ -10,12 +10,14 @@ when the last exported array does (at once when there is none).
 
 from __future__ import annotations
 
+import os
 import socket
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from jaxbuf import interop
+from jaxbuf._checks import as_int
 from jaxbuf._errors import Cleanup, ClosedError
 from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf._intervals import IntervalSet
@@ -34,6 +36,35 @@ _NOT_COPYABLE = (
     "of the received chunks, and a copy would unmap and free them a second time (use the one "
     "object, or have the owner send_buffer to each importer)"
 )
+
+
+def _check_fds(fds: Any) -> None:
+    """``TypeError`` / ``ValueError`` naming ``fds`` or its bad entry (``fds[i]``: a bool, a
+    float, a negative number) unless it is a sequence of descriptor numbers."""
+    if isinstance(fds, (str, bytes)) or not isinstance(fds, Sequence):
+        raise TypeError(f"fds must be a sequence of file descriptors, got {fds!r:.100}")
+    for i, fd in enumerate(fds):
+        if as_int(fd, f"fds[{i}]") < 0:
+            raise ValueError(f"fds[{i}] must be a file descriptor (>= 0), got {fd}")
+
+
+def _check_open(fds: Sequence[int]) -> None:
+    """``ValueError`` naming the first entry of ``fds`` that is not an open descriptor."""
+    for i, fd in enumerate(fds):
+        try:
+            os.fstat(fd)
+        except OSError as exc:
+            raise ValueError(
+                f"fds[{i}] = {fd} is not an open file descriptor ({exc.strerror})"
+            ) from None
+
+
+def _descriptors(fds: Any) -> list[int]:
+    """The entries of ``fds`` a failed import closes: the descriptor numbers (never a bool,
+    which would close stdout, or anything that is not a number)."""
+    if isinstance(fds, (str, bytes)) or not isinstance(fds, Sequence):
+        return []
+    return [fd for fd in fds if isinstance(fd, int) and not isinstance(fd, bool) and fd >= 0]
 
 
 def _close_after(error: BaseException, fds: Sequence[int]) -> None:
@@ -72,14 +103,23 @@ class _Mappings:
         self.unreleased: list[Any] = []
         self.base_ptr = 0  # first: __del__ of a half-built object must find it
         driver.ensure_context(index)
-        self.base_ptr = driver.reserve(reserved_size, alignment)
+        with deferred_interrupts():  # reserved and recorded as one step (the finalizer frees it)
+            self.base_ptr = driver.reserve(reserved_size, alignment)
 
     @property
     def released(self) -> bool:
         return not self.base_ptr
 
     def map_chunk(self, chunk_id: int, offset: int, size: int, fd: int) -> None:
-        """Import descriptor ``fd`` (the caller still closes it) and map it at ``offset``."""
+        """Import descriptor ``fd`` (the caller still closes it) and map it at ``offset``.
+
+        Imported, mapped, granted and recorded as one step: an interrupt delivered as a call
+        returns waits until the chunk is recorded or rolled back (never a mapped chunk taken
+        for a failed one, its handle released under the mapping and forgotten)."""
+        with deferred_interrupts():
+            self._map_chunk_now(chunk_id, offset, size, fd)
+
+    def _map_chunk_now(self, chunk_id: int, offset: int, size: int, fd: int) -> None:
         driver, index = self.driver, self.index
         ptr = self.base_ptr + offset
         handle = driver.import_handle(fd, size, index)
@@ -237,7 +277,9 @@ class ImportedBuffer(SegmentedReservation):
         self._ready_event: Any = None
         self._mappings: _Mappings | None = None  # None once closed, unless a release failed
         try:
+            _check_fds(fds)
             _check_layout(layout, len(fds))
+            _check_open(fds)
             self._read_only: bool = layout.get("read_only", False)
             if device is None:
                 device = layout["device"]
@@ -264,7 +306,7 @@ class ImportedBuffer(SegmentedReservation):
                 self._driver, self._device.index, self._reserved_size, alignment, self._read_only
             )
         except BaseException as error:
-            _close_after(error, fds)
+            _close_after(error, _descriptors(fds))
             raise
         self._mappings = mappings
         self._lifetime = Lifetime(mappings)
@@ -288,7 +330,9 @@ class ImportedBuffer(SegmentedReservation):
         ``timeout`` seconds, see :func:`~jaxbuf.sharing.recv_layout`) and :meth:`update`.
         ``RuntimeError`` after :meth:`close`, before anything is received."""
         self.check_exportable()
-        layout, fds = recv_layout(sock, timeout=timeout)
+        mappings = self._open_mappings()
+        # The chunks mapped here: the owner lists them again, without a descriptor.
+        layout, fds = recv_layout(sock, timeout=timeout, held_chunks=len(mappings.chunks))
         self.update(layout, fds)
 
     def update(self, layout: dict, fds: Sequence[int]) -> None:
@@ -313,7 +357,9 @@ class ImportedBuffer(SegmentedReservation):
         """
         try:
             mappings = self._open_mappings()
+            _check_fds(fds)
             _check_layout(layout, len(fds))
+            _check_open(fds)
             if layout["owner"] != self._owner:
                 raise ValueError(
                     f"layout of owner {layout['owner']!r:.100} does not belong to this import "
@@ -347,7 +393,7 @@ class ImportedBuffer(SegmentedReservation):
                     "it exported with since= a layout this importer did not receive?)"
                 )
         except BaseException as error:
-            _close_after(error, fds)
+            _close_after(error, _descriptors(fds))
             raise
         new_sizes = [int(s) for s in layout["committed_sizes"]]
         exported = self._lifetime.live_exports > 0

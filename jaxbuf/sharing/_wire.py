@@ -32,6 +32,12 @@ _MAGIC = b"JXB1"
 _HEADER = struct.Struct("!4sQI")  # magic, payload bytes, descriptor count
 _FDS_PER_BATCH = 250
 _MAX_PAYLOAD = 1 << 30
+# What a real layout needs: its scalars and segment lists (1 MiB holds thousands of
+# segments), then one row of at most 64 bytes ("[offset,size,chunk_id]," of 2**62-sized
+# ints) per chunk in "all_chunks" and again in "chunks". A payload beyond that is refused
+# before it is read: parsed, 7 MiB of "[0,0,0]" rows grew a receiver by 115 MiB.
+_LAYOUT_BYTES = 1 << 20
+_ROW_BYTES = 64
 _MAX_FDS = 1 << 20  # a header asking for more is not from send_layout
 _SUN_PATH = 108  # bytes of sockaddr_un.sun_path on Linux, the terminating NUL included
 DEFAULT_TIMEOUT = 60.0
@@ -314,10 +320,16 @@ def recv_layout(
     sock: socket.socket,
     *,
     timeout: float | None = DEFAULT_TIMEOUT,
+    held_chunks: int = 0,
     held: list[int] | None = None,
 ) -> tuple[dict, list[int]]:
     """Receive one message from :func:`send_layout`: ``(layout, fds)``; the caller owns
     the descriptors (on error, none is left open).
+
+    The payload may be as large as a layout of its descriptors' chunks and ``held_chunks``
+    more needs (the chunks the receiver maps already, which an update lists without a
+    descriptor; a first import holds none): a larger one is refused with ``ValueError``
+    before it is read, so a peer cannot make the receiver parse, and hold, more.
 
     With ``held``, every descriptor is appended there the moment it is received, and
     stays there on error too: the caller owns them from that instant, whatever interrupts
@@ -332,6 +344,8 @@ def recv_layout(
     step: close it.
     """
     timeout = _check_timeout(timeout)
+    if isinstance(held_chunks, bool) or not isinstance(held_chunks, int) or held_chunks < 0:
+        raise ValueError(f"held_chunks must be a non-negative int, got {held_chunks!r}")
     owned = held is None
     received: list[int] = [] if held is None else held
     first = len(received)
@@ -341,6 +355,12 @@ def recv_layout(
             raise ValueError(
                 f"not a jaxbuf layout message (header {magic!r}, {payload_size} bytes, "
                 f"{count} descriptors)"
+            )
+        needed = _LAYOUT_BYTES + 2 * _ROW_BYTES * (count + held_chunks)
+        if payload_size > needed:
+            raise ValueError(
+                f"a jaxbuf layout of {count} sent and {held_chunks} held chunk(s) needs at "
+                f"most {needed} bytes; the peer announced {payload_size}"
             )
         payload = _recv_exact(sock, payload_size, arm)
         try:

@@ -343,13 +343,14 @@ class FusedStagedWriter:
         slot = self._slots[i]
         slot.guard = UNRECORDED
         self._clear()
-        try:
-            handle = driver.record_event(dlpack_stream, index)
-        except BaseException as error:
-            self._synchronize_without_event(tensors, error)
-            raise
-        event = AppliedEvent(driver, handle, dlpack_stream)
-        slot.guard = event
+        with deferred_interrupts():  # recorded as it is made: an interrupt cannot leak it
+            try:
+                handle = driver.record_event(dlpack_stream, index)
+            except BaseException as error:
+                self._synchronize_without_event(tensors, error)
+                raise
+            event = AppliedEvent(driver, handle, dlpack_stream)
+            slot.guard = event
         for t, n in zip(tensors, staged_bytes):
             if n:
                 t.staging.applied = event

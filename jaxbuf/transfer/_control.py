@@ -207,10 +207,12 @@ class ControlLink:
                 self._disconnect()
                 raise
 
-    def request_layouts(self) -> ServedAnswer:
+    def request_layouts(self, held_chunks: list[int]) -> ServedAnswer:
         """Ask for every tensor's chunks; the answer (its descriptors stay in :attr:`held`
-        until :meth:`handover`). ``ValueError`` when the owner refuses or answers out of
-        protocol; ``ConnectionError``/``TimeoutError`` when it is gone or silent."""
+        until :meth:`handover`). ``held_chunks``: per tensor, the chunks mapped here already
+        (what an answer may list without a descriptor: it bounds what is read). ``ValueError``
+        when the owner refuses or answers out of protocol; ``ConnectionError`` /
+        ``TimeoutError`` when it is gone or silent."""
         with self._exchange() as sock:
             request_id = self._next_id
             self._next_id += 1
@@ -227,8 +229,14 @@ class ControlLink:
                         f"the same-host peer {self.peer_name!r} sent a {kind!r} frame, not a layout"
                     )
                 epoch, count = ANSWER_HEADER.unpack_from(payload)
+                if count != len(held_chunks):
+                    raise ValueError(
+                        f"the same-host peer {self.peer_name!r} serves {count} tensor(s), "
+                        f"this side expects {len(held_chunks)}"
+                    )
                 tensors = [
-                    recv_layout(sock, timeout=self.timeout, held=self.held) for _ in range(count)
+                    recv_layout(sock, timeout=self.timeout, held_chunks=chunks, held=self.held)
+                    for chunks in held_chunks
                 ]
                 if answered == request_id:
                     served = payload[ANSWER_HEADER.size :].decode("utf-8", "replace")

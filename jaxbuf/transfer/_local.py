@@ -157,7 +157,8 @@ class SameHostLink(Link):
                 f"peer {peer!r}'s same-host address changed from {self.address!r} to {moved!r}"
             )
         try:
-            answer = self.control.request_layouts()
+            held = [0 if i is None else i.num_physical_chunks for i in self.imports]
+            answer = self.control.request_layouts(held)
         except OSError as error:
             raise ConnectionError(f"same-host peer {peer!r} is unreachable: {error}") from error
         try:
@@ -166,11 +167,11 @@ class SameHostLink(Link):
                     f"the socket at {self.address!r} serves endpoint {answer.name!r}, the "
                     f"metadata names {peer!r}"
                 )
-            if answer.epoch != layouts[0].epoch or len(answer.tensors) != len(layouts):
+            if answer.epoch != layouts[0].epoch:
                 raise ValueError(
-                    f"peer {peer!r} serves its publication {answer.epoch} of "
-                    f"{len(answer.tensors)} tensor(s), not the metadata's {layouts[0].epoch} "
-                    f"of {len(layouts)}: it changed since; connect with its newer metadata"
+                    f"peer {peer!r} serves its publication {answer.epoch}, not the "
+                    f"metadata's {layouts[0].epoch}: it changed since; connect with its "
+                    "newer metadata"
                 )
             for index, (layout, fds) in enumerate(answer.tensors):
                 self._import(index, layout, fds)

@@ -171,7 +171,7 @@ class TransferPlane:
             raise TypeError(f"layout must be a KVLayout, got {layout!r}")
         if not hasattr(tensor, "segment_offsets") or not hasattr(tensor, "add_mapping_listener"):
             raise TypeError(
-                f"tensor must be a jaxbuf.ExtensibleTensor, got {type(tensor).__name__}"
+                f"tensor must be an ExtensibleTensor (jaxbuf), got {type(tensor).__name__}"
             )
         segments = layout.segments_of(tensor)
         if registration is None:

@@ -22,6 +22,8 @@ import numpy as np
 from .. import interop
 from .._checks import as_int, as_shape
 from .._errors import ClosedError
+from .._interrupts import deferred_interrupts
+from .._lifetime import release_or_retry_later
 from .._owner import Lifetime
 from .._resolve import resolve
 from ..devices import Device, DeviceLike, as_device, default_device
@@ -218,10 +220,12 @@ class _BufferBase:
         return self._device_view.to_jax()
 
     def _set_ready_event(self, event: Any) -> None:
-        owner = self._owner
-        previous, owner.ready_event = owner.ready_event, event
-        if previous is not None:
-            self._driver.destroy_event(previous)
+        with deferred_interrupts():  # swapped and the old one destroyed as one step
+            owner = self._owner
+            previous, owner.ready_event = owner.ready_event, event
+            if previous is not None:
+                driver = self._driver  # a failed destroy is retried, the event never leaked
+                release_or_retry_later(lambda: driver.destroy_event(previous), "an event", driver)
 
     def _drop_arrays(self) -> None:
         """Forget the arrays this buffer made; those nobody else holds go, with their
@@ -445,7 +449,8 @@ class NonUvaBuffer(_BufferBase):
             driver, index = self._driver, self.device.index
             source = self._host_source()
             driver.copy(self._device_view.ptr, source.ctypes.data, nbytes, index)
-            self._set_ready_event(driver.record_ready_event(index))
+            with deferred_interrupts():  # recorded as it is made: an interrupt cannot leak it
+                self._set_ready_event(driver.record_ready_event(index))
 
     def _publish(self, framework: str, n: int) -> Any:
         array = self._cached(framework, n)

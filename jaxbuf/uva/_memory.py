@@ -88,8 +88,10 @@ class _PinnedHostMemory:
         self._driver = driver
         self._sync_index = device.index if device.is_cuda else None
         retry_deferred(driver)  # releases that failed in a finalizer: retried at next use
-        # host_alloc refuses 0 bytes; an empty buffer still gets a valid pointer.
-        self.host_ptr, self.device_ptr = driver.host_alloc(max(nbytes, 1), device.index)
+        # host_alloc refuses 0 bytes; an empty buffer still gets a valid pointer. Allocated
+        # and recorded as one step: an interrupt as the call returns would leak the block.
+        with deferred_interrupts():
+            self.host_ptr, self.device_ptr = driver.host_alloc(max(nbytes, 1), device.index)
         self.nbytes = nbytes
         if not driver.host_alloc_zeroed:
             # Through the host pointer: no device work is pending on a block just allocated.
