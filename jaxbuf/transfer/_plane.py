@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxbuf._checks import as_int, as_seconds
-from jaxbuf._errors import Cleanup, ClosedError
+from jaxbuf._errors import Cleanup, ClosedError, Rollback
 from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf.drivers.base import DriverError
 from jaxbuf.transfer._blocks import KVLayout, block_ids
@@ -138,17 +138,13 @@ class TransferPlane:
         self.name, self.agent, self.transport = name, nixl_agent, transport
         self.instance = secrets.token_hex(16)  # a restarted endpoint is another instance
         self.sides: list[Side] = []
-        self._owned: list[Registration] = []
-        try:
+        self._owned: list[Registration] = []  # the registrations this endpoint made
+        with Rollback(self.kind) as undo:
             for spec in tensors:
-                self.sides.append(self._side(*spec, release_timeout=release_timeout))
-        except BaseException:
-            for registration in self._owned:
-                registration.close()
-            raise
-        devices = {side.tensor.device for side in self.sides}
-        if len(devices) != 1:
-            raise ValueError(f"an endpoint's tensors must share one device, got {devices}")
+                self.sides.append(self._side(*spec, release_timeout=release_timeout, undo=undo))
+            devices = {side.tensor.device for side in self.sides}
+            if len(devices) != 1:
+                raise ValueError(f"an endpoint's tensors must share one device, got {devices}")
         first = self.sides[0].tensor
         self.copier = BlockCopier(first.driver, first.device)  # the same-host copies
         self._nixl_local = NixlLocal(nixl_agent, self.sides) if nixl_agent is not None else None
@@ -166,6 +162,7 @@ class TransferPlane:
         registration: Registration | None = None,
         *,
         release_timeout: float,
+        undo: Rollback,
     ) -> Side:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {layout!r}")
@@ -175,10 +172,12 @@ class TransferPlane:
             )
         segments = layout.segments_of(tensor)
         if registration is None:
-            registration = Registration(
-                self.agent, tensor, segments, release_timeout=release_timeout
-            )
-            self._owned.append(registration)
+            with deferred_interrupts():  # made and recorded in one step
+                registration = Registration(
+                    self.agent, tensor, segments, release_timeout=release_timeout
+                )
+                self._owned.append(registration)
+            undo.push(registration.close)
         elif registration.tensor is not tensor or registration.agent is not self.agent:
             raise ValueError("the registration is of another tensor or agent")
         # Where each layout segment starts: the reservation never moves.

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from jaxbuf._checks import as_int, as_seconds
+from jaxbuf._errors import Rollback
+from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf.transfer._nixl import Agent, memory_type_of
 
 __all__ = ["Registration", "TransferInFlight"]
@@ -154,38 +156,41 @@ class Registration:
 
     # -- the MappingListener protocol -----------------------------------------------
     def mapped(self, chunks: list[tuple[int, int]]) -> None:
-        """Register each chunk (its part in the chosen segments); all or nothing."""
+        """Register each chunk (its part in the chosen segments); all or nothing. Each
+        registration and its record are one step an interrupt cannot split."""
         agent, base = self.agent, self.base_ptr
-        done: list[int] = []
+        changed = False
         try:
-            for offset, size in chunks:
-                pieces = self._pieces(offset, size)
-                if not pieces or offset in self._chunks:
-                    continue
-                handle = (
-                    None
-                    if agent is None
-                    else agent.register(
-                        [(base + start, nbytes) for start, nbytes in pieces],
-                        self.mem_type,
-                        self.device_id,
-                    )
-                )
-                self._chunks[offset] = (pieces, handle)
-                done.append(offset)
-        except BaseException as error:
-            for offset in reversed(done):
-                _, handle = self._chunks.pop(offset)
-                if agent is None:
-                    continue
-                try:
-                    agent.deregister(handle)
-                except Exception as undo_error:  # noqa: BLE001 - reported as a note
-                    error.add_note(f"deregistering chunk at offset {offset} failed: {undo_error!r}")
-            raise
+            with Rollback("Registration.mapped") as undo:
+                for offset, size in chunks:
+                    pieces = self._pieces(offset, size)
+                    if not pieces or offset in self._chunks:
+                        continue
+                    with deferred_interrupts():
+                        handle = (
+                            None
+                            if agent is None
+                            else agent.register(
+                                [(base + start, nbytes) for start, nbytes in pieces],
+                                self.mem_type,
+                                self.device_id,
+                            )
+                        )
+                        self._chunks[offset] = (pieces, handle)
+                    changed = True
+                    undo.push(self._deregister, offset)
         finally:
-            if done:
+            if changed:
                 self._changed()
+
+    def _deregister(self, offset: int) -> None:
+        """Deregister the chunk at ``offset``, then forget it (a failure keeps it recorded:
+        :meth:`close` retries it)."""
+        _, handle = self._chunks[offset]
+        with deferred_interrupts():
+            if self.agent is not None:
+                self.agent.deregister(handle)
+            del self._chunks[offset]
 
     def unmapping(self, chunks: list[tuple[int, int]]) -> None:
         """Wait for this process's transfers over the memory (refuse after
@@ -196,10 +201,7 @@ class Registration:
         self._wait_in_flight()
         try:
             for offset in registered:
-                pieces, handle = self._chunks[offset]
-                if self.agent is not None:
-                    self.agent.deregister(handle)
-                del self._chunks[offset]
+                self._deregister(offset)
         finally:
             self._changed()
 
