@@ -117,7 +117,12 @@ class SameHostLink(Link):
     transport = "local"
 
     def __init__(
-        self, name: str, sides: list[Side], copier: Any, layouts: list[RemoteLayout]
+        self,
+        name: str,
+        sides: list[Side],
+        copier: Any,
+        layouts: list[RemoteLayout],
+        timeout: float = 30.0,
     ) -> None:
         peer = layouts[0].agent
         address = layouts[0].local
@@ -126,7 +131,7 @@ class SameHostLink(Link):
         self.driver = sides[0].tensor.driver
         self.device = sides[0].tensor.device
         self.address = address.address
-        self.control = ControlLink(self.address, name, peer, timeout=30.0)
+        self.control = ControlLink(self.address, name, peer, timeout=timeout)
         self.imports: list[ImportedBuffer | None] = [None] * len(layouts)
         self.segments: list[tuple[int, ...]] = []  # per tensor, the import's segments
         self.starts: list[np.ndarray] = []  # per tensor, each layout segment's address here
@@ -152,7 +157,7 @@ class SameHostLink(Link):
                 f"peer {peer!r}'s same-host address changed from {self.address!r} to {moved!r}"
             )
         try:
-            answer = self.control.request_layouts()
+            answer = self.control.request_layouts(len(layouts))
         except OSError as error:
             raise ConnectionError(f"same-host peer {peer!r} is unreachable: {error}") from error
         try:

@@ -322,7 +322,9 @@ class TransferPlane:
             reason = same_host_refusal(layouts[0].local)
             if reason is None:
                 try:
-                    return SameHostLink(self.name, self.sides, self.copier, layouts)
+                    return SameHostLink(
+                        self.name, self.sides, self.copier, layouts, self.limits.io_timeout
+                    )
                 except (OSError, ValueError, DriverError) as error:
                     if self.transport == "local" or self.agent is None:
                         raise ValueError(
