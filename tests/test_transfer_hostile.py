@@ -1053,7 +1053,7 @@ def test_random_interrupts_leave_everything_usable_and_nothing_leaked():
     of both buffers says; every notification that was sent whole arrives, none garbled;
     and threads, descriptors and mappings end where they started."""
     seed = int(os.environ.get("JAXBUF_INTERRUPT_SEED", "37"))
-    rounds = int(os.environ.get("JAXBUF_INTERRUPT_ROUNDS", "150"))
+    rounds = int(os.environ.get("JAXBUF_INTERRUPT_ROUNDS", "600"))
     rng = random.Random(seed)
     peer = PeerProcess("peer", CAPACITY, SEGMENTS, BLOCK, "cpu", transport="local")
     tensor = _tensor()
