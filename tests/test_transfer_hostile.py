@@ -621,6 +621,27 @@ def test_an_endpoint_whose_tensor_was_freed_is_closed(peer, here):
             call()
 
 
+def test_closing_the_endpoint_ends_a_wait_in_another_thread(here):
+    tensor, endpoint = here
+    outcome: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            endpoint.wait_notification("peer", b"never", 30)
+            outcome.append(None)
+        except BaseException as error:  # noqa: BLE001 - checked below
+            outcome.append(error)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    endpoint.close()
+    thread.join(5)
+    assert time.monotonic() - start < 1.0
+    assert len(outcome) == 1 and isinstance(outcome[0], ClosedError), outcome
+
+
 @pytest.mark.parametrize("timeout", [math.nan, math.inf, -1.0, -math.inf])
 def test_wait_notification_checks_its_timeout(here, timeout):
     tensor, endpoint = here

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from jaxbuf._errors import ClosedError
 from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf.sharing._wire import (
     _close_all,
@@ -96,6 +97,7 @@ class Inbox:
         self._queues: dict[str, collections.deque[bytes]] = {}
         self._per_sender = per_sender
         self.changed = threading.Condition()
+        self._closed_owner: str | None = None  # set by close(): waits end with ClosedError
 
     def put(self, sender: str, messages: list[bytes]) -> None:
         with self.changed:
@@ -126,6 +128,10 @@ class Inbox:
         try:
             with self.changed:
                 while True:
+                    if self._closed_owner is not None:
+                        raise ClosedError(
+                            self._closed_owner, "closed", "while waiting for a notification"
+                        )
                     if poll is not None:
                         poll()
                     with deferred_interrupts():
@@ -150,6 +156,12 @@ class Inbox:
                     ).appendleft(message)
             raise
         return True
+
+    def close(self, owner: str) -> None:
+        """End every wait, now and later, with ``ClosedError`` naming ``owner``."""
+        with self.changed:
+            self._closed_owner = owner
+            self.changed.notify_all()
 
     def drain(self) -> dict[str, list[bytes]]:
         """Everything queued, by sender, and forget it."""

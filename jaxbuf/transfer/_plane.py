@@ -417,7 +417,8 @@ class TransferPlane:
 
     def wait_notification(self, peer: Any, message: bytes, timeout: float) -> None:
         """Wait until ``peer`` sends ``message`` (with a transfer, or alone); TimeoutError
-        naming both after ``timeout`` seconds (a finite, non-negative number). Other
+        naming both after ``timeout`` seconds (a finite, non-negative number);
+        ``ClosedError`` at once when another thread closes the endpoint meanwhile. Other
         notifications stay queued. An interrupt never loses one that arrived."""
         name = getattr(peer, "name", peer)
         if not isinstance(name, str):
@@ -489,6 +490,7 @@ class TransferPlane:
                 cleanup.run(registration.close)
             if not cleanup.errors:
                 self.closed = True
+                self.inbox.close(self.kind)  # a wait in another thread ends now
             cleanup.raise_first()
 
     def __enter__(self) -> Any:
