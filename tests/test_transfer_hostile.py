@@ -780,6 +780,24 @@ def test_a_lying_owner_gets_an_error_within_the_io_timeout(here, answer, match):
         assert endpoint.connect(owner.message()).transport == "local"
 
 
+def test_a_silent_peer_connecting_does_not_hold_up_transfers_to_another(peer, here):
+    """One thread connects to an owner that never answers (up to the io_timeout); another
+    thread's writes to a connected peer go on meanwhile, not after it."""
+    tensor, endpoint = here
+    endpoint.connect(peer("metadata"))
+    with _fake(_silent) as owner:
+        thread = threading.Thread(
+            target=lambda: pytest.raises(ValueError, endpoint.connect, owner.message())
+        )
+        thread.start()
+        time.sleep(0.1)  # the connect is waiting for the silent owner
+        start = time.monotonic()
+        endpoint.write("peer", [0], [1]).wait(30)
+        elapsed = time.monotonic() - start
+        thread.join(10)
+    assert elapsed < 0.5, f"a write waited {elapsed:.2f} s behind a connect to a silent peer"
+
+
 # -- hostile clients of a genuine owner ----------------------------------------------------
 @pytest.fixture
 def owner():
