@@ -96,20 +96,21 @@ class deferred_interrupts:  # noqa: N801 - used as a function: ``with deferred_i
         global _depth
         if _get_ident() != _main_thread.ident:
             return  # no handler runs on this thread: nothing can land in the block
-        _depth += 1
-        if _depth == 1:
+        if _depth == 0:
+            # Install before counting: an interrupt landing in _install() leaves no count
+            # behind (a count left without its __exit__ would stop every later block from
+            # installing, so none would hold anything back).
             self.outermost = True
             try:
                 _install()
             except BaseException:
                 # A signal delivered while the handlers were being replaced (before its
                 # recording one took over): the block never runs and __exit__ is never
-                # called, so leave no trace, else every later block would think itself
-                # nested and hold nothing back.
-                _depth -= 1
+                # called, so leave no trace.
                 self.outermost = False
                 _restore()
                 raise
+        _depth += 1
 
     def __exit__(self, *exc_info: object) -> None:
         global _depth

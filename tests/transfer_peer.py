@@ -64,6 +64,9 @@ def serve(
         ).wait(30),
         "pull": lambda peer, local, remote: endpoint.read(peer, local, remote).wait(30),
         "wait_notification": lambda peer, message: endpoint.wait_notification(peer, message, 30),
+        "notify": lambda peer, message: endpoint.notify(peer, message),
+        "notifications": lambda: endpoint.notifications(),
+        "limit_fds": limit_fds,
         "counts": lambda: (
             agent.live_registrations if agent else 0,
             agent.live_dlists if agent else 0,
@@ -84,6 +87,18 @@ def serve(
             connection.send(("ok", commands[command](*args)))
         except Exception as error:  # noqa: BLE001 - sent back to the test, which raises it
             connection.send(("error", f"{type(error).__name__}: {error}"))
+
+
+def limit_fds(headroom: int) -> int:
+    """Lower this process's soft descriptor limit to what is open now plus ``headroom``
+    (what a process near its limit looks like); the new limit."""
+    import os
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = len(os.listdir("/proc/self/fd")) + headroom
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    return limit
 
 
 def write_bytes(tensor: Any, device: str, segment: int, start: int, data: bytes) -> None:
@@ -184,6 +199,9 @@ def serve_cache(
             for t in range(len(cache))
         ],
         "put": put,
+        "grow_tensor": lambda tensor, n: cache.tensors[tensor].resize_per_segment_(
+            n * cache.bytes_per_block_per_segment[tensor], zero_new=True
+        ),
         "write": lambda peer, local, remote, note=b"": endpoint.write(
             peer, local, remote, notification=note
         ).wait(30),

@@ -228,13 +228,30 @@ def connect_abstract(
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.settimeout(timeout)
-        sock.connect("\0" + name)
+        _connect_waiting(sock, "\0" + name, timeout)
         _check_peer(sock, allowed)
     except BaseException:
         if owned:
             sock.close()
         raise
     return sock
+
+
+def _connect_waiting(sock: socket.socket, address: str, timeout: float | None) -> None:
+    """``sock.connect(address)``, waiting up to ``timeout`` seconds for room in the
+    listener's backlog: a socket with a timeout is non-blocking underneath, and a full
+    ``AF_UNIX`` backlog then fails at once (``EAGAIN``) where a blocking connect waits."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"the listener at {address!r} had no room for a connection within {timeout} s"
+                ) from None
+            time.sleep(0.005)
 
 
 # -- messages ---------------------------------------------------------------------------
@@ -294,7 +311,11 @@ def _recv_fd_batch(
     leak and pin the peer's memory): the batch is read only once the socket is readable,
     without blocking, with interrupts held back."""
     arm()
-    if not select.select([sock], [], [], sock.gettimeout())[0]:
+    # poll, not select: select() refuses a descriptor numbered 1024 or more.
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    timeout = sock.gettimeout()
+    if not poller.poll(None if timeout is None else math.ceil(timeout * 1000)):
         raise TimeoutError
     itemsize = array.array("i").itemsize
     flags = getattr(socket, "MSG_CMSG_CLOEXEC", 0) | socket.MSG_DONTWAIT

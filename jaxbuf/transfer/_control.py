@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from jaxbuf._errors import ClosedError
 from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf.sharing._wire import (
     _close_all,
@@ -53,6 +54,7 @@ ANSWER_HEADER = struct.Struct("!QI")  # epoch, tensor count (then the owner's na
 MAX_NAME = 256
 MAX_NOTIFICATION = 1 << 16
 _MAX_REASON = 4096
+_WAIT_SLICE = 0.05  # seconds an interrupt of a wait for a notification may be held back
 
 
 class Frame(bytes, enum.Enum):
@@ -95,6 +97,7 @@ class Inbox:
         self._queues: dict[str, collections.deque[bytes]] = {}
         self._per_sender = per_sender
         self.changed = threading.Condition()
+        self._closed_owner: str | None = None  # set by close(): waits end with ClosedError
 
     def put(self, sender: str, messages: list[bytes]) -> None:
         with self.changed:
@@ -121,24 +124,44 @@ class Inbox:
         source that does not wake the condition); whether it came. An interrupt as it is
         taken puts it back."""
         deadline = time.monotonic() + timeout
-        with self.changed:
-            while True:
-                if poll is not None:
-                    poll()
-                taken = False
-                try:
+        taken = False
+        try:
+            with self.changed:
+                while True:
+                    if self._closed_owner is not None:
+                        raise ClosedError(
+                            self._closed_owner, "closed", "while waiting for a notification"
+                        )
+                    if poll is not None:
+                        poll()
                     with deferred_interrupts():
                         taken = self._take(sender, message)
                     if taken:
-                        return True
-                except BaseException:
-                    if taken:
-                        self._queues[sender].appendleft(message)
-                    raise
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self.changed.wait(min(left, 1e-3) if poll is not None else left)
+                        break
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    # An interrupt landing inside Condition.wait, between its release and
+                    # its try, leaves the lock released ("cannot release un-acquired lock"
+                    # instead of the KeyboardInterrupt): wait in slices, interrupts held.
+                    with deferred_interrupts():
+                        self.changed.wait(min(left, 1e-3 if poll is not None else _WAIT_SLICE))
+        except BaseException:
+            # Taken, then interrupted on the way out (the lock's release included): the
+            # message goes back, so the caller's next wait finds it.
+            if taken:
+                with self.changed:
+                    self._queues.setdefault(
+                        sender, collections.deque(maxlen=self._per_sender)
+                    ).appendleft(message)
+            raise
+        return True
+
+    def close(self, owner: str) -> None:
+        """End every wait, now and later, with ``ClosedError`` naming ``owner``."""
+        with self.changed:
+            self._closed_owner = owner
+            self.changed.notify_all()
 
     def drain(self) -> dict[str, list[bytes]]:
         """Everything queued, by sender, and forget it."""
@@ -210,15 +233,22 @@ class ControlLink:
     def request_layouts(self, held_chunks: list[int]) -> ServedAnswer:
         """Ask for every tensor's chunks; the answer (its descriptors stay in :attr:`held`
         until :meth:`handover`). ``held_chunks``: per tensor, the chunks mapped here already
-        (what an answer may list without a descriptor: it bounds what is read). ``ValueError``
-        when the owner refuses or answers out of protocol; ``ConnectionError`` /
-        ``TimeoutError`` when it is gone or silent."""
+        (what an answer may list without a descriptor: it bounds what is read). The whole
+        exchange is bounded by :attr:`timeout`, whatever the owner sends. ``ValueError``
+        when the owner refuses or answers out of protocol (another tensor count, a later
+        request's id); ``ConnectionError`` / ``TimeoutError`` when it is gone or silent."""
         with self._exchange() as sock:
+            deadline = time.monotonic() + self.timeout
             request_id = self._next_id
             self._next_id += 1
             sock.sendall(frame(Frame.LAYOUT, request_id))
             while True:
-                kind, answered, payload = self._recv_frame(sock)
+                kind, answered, payload = self._recv_frame(sock, deadline)
+                if answered > request_id:
+                    raise ValueError(
+                        f"the same-host peer {self.peer_name!r} answered request {answered}, "
+                        f"which was never sent (the last is {request_id})"
+                    )
                 if kind == Frame.ERROR.value:
                     if answered != request_id:
                         continue  # an earlier request's refusal
@@ -229,30 +259,30 @@ class ControlLink:
                         f"the same-host peer {self.peer_name!r} sent a {kind!r} frame, not a layout"
                     )
                 epoch, count = ANSWER_HEADER.unpack_from(payload)
-                if count != len(held_chunks):
+                if count != len(held_chunks):  # before any descriptor is received
                     raise ValueError(
                         f"the same-host peer {self.peer_name!r} serves {count} tensor(s), "
-                        f"this side expects {len(held_chunks)}"
+                        f"this endpoint {len(held_chunks)}"
                     )
-                tensors = [
-                    recv_layout(sock, timeout=self.timeout, held_chunks=chunks, held=self.held)
+                answer = [
+                    recv_layout(sock, timeout=_left(deadline), held_chunks=chunks, held=self.held)
                     for chunks in held_chunks
                 ]
                 if answered == request_id:
                     served = payload[ANSWER_HEADER.size :].decode("utf-8", "replace")
-                    return ServedAnswer(epoch, served, tensors)
+                    return ServedAnswer(epoch, served, answer)
                 # The answer to an earlier request: never this one's.
-                for _, fds in tensors:
+                for _, fds in answer:
                     self.release(fds)
 
-    def _recv_frame(self, sock: socket.socket) -> tuple[bytes, int, bytes]:
-        sock.settimeout(self.timeout)
-        kind, request_id, size = FRAME_HEADER.unpack(
-            _recv_exact(sock, FRAME_HEADER.size, _no_deadline)
-        )
+    def _recv_frame(self, sock: socket.socket, deadline: float) -> tuple[bytes, int, bytes]:
+        def arm() -> None:
+            sock.settimeout(_left(deadline))
+
+        kind, request_id, size = FRAME_HEADER.unpack(_recv_exact(sock, FRAME_HEADER.size, arm))
         if size > _MAX_REASON:
             raise ValueError(f"the same-host peer {self.peer_name!r} sent a frame of {size} bytes")
-        return kind, request_id, _recv_exact(sock, size, _no_deadline)
+        return kind, request_id, _recv_exact(sock, size, arm)
 
     def handover(self, fds: list[int]) -> list[int]:
         """Take ``fds`` out of :attr:`held` for a callee that closes them in every case;
@@ -278,5 +308,9 @@ class ControlLink:
             self._disconnect()
 
 
-def _no_deadline() -> None:
-    """The socket's own timeout bounds each read: nothing to arm."""
+def _left(deadline: float) -> float:
+    """Seconds left until ``deadline``; ``TimeoutError`` once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the same-host peer did not answer in time")
+    return left

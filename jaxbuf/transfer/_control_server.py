@@ -188,10 +188,14 @@ class ControlServer:
         if self._closed:
             return
         thread = self._thread
-        if thread is not None and thread.is_alive():
-            with contextlib.suppress(OSError):  # the thread closed the pair already
-                self._wake_w.send(b"x")
-            thread.join()
+        # Interrupts held back (the thread exits at once when woken): CPython's is_alive()
+        # or join() interrupted at the wrong instant marks a live thread stopped, and the
+        # next close would leave it running on closed sockets.
+        with deferred_interrupts():
+            if thread is not None and thread.is_alive():
+                with contextlib.suppress(OSError):  # the thread closed the pair already
+                    self._wake_w.send(b"x")
+                thread.join()
         while self._listening:
             served = self._listening[-1]
             with contextlib.suppress(ValueError):  # detached already: the tensor was freed

@@ -310,35 +310,64 @@ class TransferPlane:
                 known.link.update(layouts)
                 known.layouts = layouts
                 return known
-            peer = Peer(name, layouts, self._open_link(layouts))
-            self.peers[name] = peer
-            return peer
-
-    def _open_link(self, layouts: list[RemoteLayout]) -> Link:
-        name = layouts[0].agent
-        if self.transport != "nixl":
-            reason = same_host_refusal(layouts[0].local)
-            if reason is None:
-                try:
-                    return SameHostLink(
-                        self.name, self.sides, self.copier, layouts, self.limits.io_timeout
+        # A new peer: its same-host link (a connection, then a wait for the peer's answer
+        # of up to the io_timeout) is opened without the lock, so a silent or slow peer
+        # never holds up transfers to the others; it is recorded once the lock is back.
+        local: Link | None = None
+        try:
+            local, reason = self._same_host_link(layouts)
+            with self._lock:
+                self._check_open()
+                if name in self.peers:
+                    raise ValueError(
+                        f"peer {name!r} was connected by another thread meanwhile; connect "
+                        "again to follow it to this metadata"
                     )
-                except (OSError, ValueError, DriverError) as error:
-                    if self.transport == "local" or self.agent is None:
-                        raise ValueError(
-                            f"peer {name!r} cannot use the same-host transport: {error}"
-                        ) from error
-                    reason = f"{type(error).__name__}: {error}"
-            if self.transport == "local":
-                raise ValueError(f"peer {name!r} cannot use the same-host transport: {reason}")
+                link = local if local is not None else self._nixl_link(layouts, reason)
+                peer = Peer(name, layouts, link)
+                self.peers[name] = peer
+                return peer
+        except BaseException:
+            recorded = self.peers.get(name)
+            if local is not None and (recorded is None or recorded.link is not local):
+                local.close()
+            raise
+
+    def _same_host_link(self, layouts: list[RemoteLayout]) -> tuple[Link | None, str | None]:
+        """The same-host link to a new peer, or None and why not (``transport="local"``,
+        or no NIXL agent to fall back to: ``ValueError`` instead)."""
+        name = layouts[0].agent
+        if self.transport == "nixl":
+            return None, "transport='nixl'"
+        reason = same_host_refusal(layouts[0].local)
+        if reason is None:
+            try:
+                link = SameHostLink(
+                    self.name, self.sides, self.copier, layouts, self.limits.io_timeout
+                )
+                return link, None
+            except (OSError, ValueError, DriverError) as error:
+                if self.transport == "local" or self.agent is None:
+                    raise ValueError(
+                        f"peer {name!r} cannot use the same-host transport: {error}"
+                    ) from error
+                reason = f"{type(error).__name__}: {error}"
+        if self.transport == "local":
+            raise ValueError(f"peer {name!r} cannot use the same-host transport: {reason}")
+        return None, reason
+
+    def _nixl_link(self, layouts: list[RemoteLayout], reason: str | None) -> Link:
+        """The NIXL link to a new peer the same-host transport does not reach (``reason``)."""
+        name = layouts[0].agent
         if self.agent is None or self._nixl_local is None:
             raise ValueError(
-                f"peer {name!r} is not reachable on this host and this endpoint has no NIXL agent"
+                f"peer {name!r} is not reachable on this host ({reason}) and this endpoint "
+                "has no NIXL agent"
             )
         if not layouts[0].nixl_metadata:
             raise ValueError(
                 f"peer {name!r} offers no NIXL metadata (it runs without NIXL), and "
-                "the same-host transport does not reach it"
+                f"the same-host transport does not reach it ({reason})"
             )
         return NixlLink(self.agent, self._nixl_local, layouts)
 
@@ -415,7 +444,8 @@ class TransferPlane:
 
     def wait_notification(self, peer: Any, message: bytes, timeout: float) -> None:
         """Wait until ``peer`` sends ``message`` (with a transfer, or alone); TimeoutError
-        naming both after ``timeout`` seconds (a finite, non-negative number). Other
+        naming both after ``timeout`` seconds (a finite, non-negative number);
+        ``ClosedError`` at once when another thread closes the endpoint meanwhile. Other
         notifications stay queued. An interrupt never loses one that arrived."""
         name = getattr(peer, "name", peer)
         if not isinstance(name, str):
@@ -487,6 +517,7 @@ class TransferPlane:
                 cleanup.run(registration.close)
             if not cleanup.errors:
                 self.closed = True
+                self.inbox.close(self.kind)  # a wait in another thread ends now
             cleanup.raise_first()
 
     def __enter__(self) -> Any:
