@@ -296,4 +296,23 @@ def test_the_exchange_api_takes_any_consumer_tensor(worker):
             outcomes[outcome[0]] += 1
 
     run()
-    assert outcomes["ok"] and outcomes["raised"], outcomes
+    # Random fields are rarely all consistent (none may be, at some example counts): one
+    # consistent tensor is imported every time, so "ok" is reached whatever was drawn.
+    consistent = {
+        "version": (1, 3),
+        "flags": 0,
+        "deleter": True,
+        "data": True,
+        "ndim": 1,
+        "shape_set": True,
+        "shape": [4],
+        "strides_set": False,
+        "strides": [],
+        "byte_offset": 0,
+        "device": (1, 0),
+        "dtype": (1, 8, 1),
+    }
+    worker.ensure()
+    outcome = worker.call("exchange", tensors=[consistent])[1][0]
+    assert outcome[0] == "ok", outcome
+    assert outcomes["raised"], outcomes
