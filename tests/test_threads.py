@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import jaxbuf
+from jaxbuf.drivers import _posix as posix
 from jaxbuf.drivers import get_vmm_driver
 
 THREADS = 4
@@ -202,7 +203,7 @@ def test_host_free_race_with_host_alloc_reusing_the_address(monkeypatch):
     reused: list[int] = []
 
     def mmap_at_ptr(addr, length, prot, flags, fd, **details):
-        return real_mmap(ptr, length, prot, flags | host._MAP_FIXED, fd, **details)
+        return real_mmap(ptr, length, prot, flags | posix.MAP_FIXED, fd, **details)
 
     def munmap_then_other_thread_allocates(p, n):
         real_munmap(p, n)

@@ -8,6 +8,7 @@ import ctypes
 import errno
 import functools
 import mmap
+import platform
 
 from jaxbuf.drivers.base import DriverError
 
@@ -86,3 +87,29 @@ def check_args(
         details = {"ptr": hex(ptr) if isinstance(ptr, int) else ptr, **details}
     if not valid:
         raise DriverError(call, "EINVAL", size=size, **details)
+
+
+# Linux values; Python's mmap module exports none of PROT_NONE, MAP_FIXED, MAP_NORESERVE.
+PROT_NONE = 0
+# Reservations (and unmapped ranges) read as zeros and fault on writes; see the docstring.
+PROT_RESERVED = mmap.PROT_READ
+PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
+MAP_FIXED = 0x10  # the same on every Linux architecture
+_MACHINE = platform.machine().lower()
+if _MACHINE.startswith(("ppc", "powerpc", "sparc")):
+    MAP_NORESERVE = 0x40
+elif _MACHINE.startswith("mips"):
+    MAP_NORESERVE = 0x400
+else:  # asm-generic: x86, arm, arm64, riscv, s390, ...
+    MAP_NORESERVE = 0x4000
+MAP_RESERVE_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+MAP_FIXED_NOREPLACE = 0x100000
+# mremap flags (linux/mman.h), the same on every architecture.
+MREMAP_MAYMOVE = 1
+MREMAP_FIXED = 2
+MREMAP_DONTUNMAP = 4  # Linux 5.7; for shared (memfd) mappings since 5.13
+# Why exporting a mapped chunk (reopening /proc/self/map_files/<range>) failed, most often.
+MAP_FILES_HINT = (
+    "reopening a mapped chunk through /proc/self/map_files needs CAP_SYS_ADMIN or "
+    "CAP_CHECKPOINT_RESTORE (run as root, or grant the capability to the exporting process)"
+)

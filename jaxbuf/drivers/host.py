@@ -59,7 +59,6 @@ import fcntl
 import functools
 import mmap
 import os
-import platform as _platform
 import resource
 import stat
 import sys
@@ -67,6 +66,7 @@ import threading
 from collections import deque
 
 from jaxbuf._interrupts import deferred_interrupts
+from jaxbuf.drivers import _posix as posix
 from jaxbuf.drivers._posix import (
     MAP_FAILED,
     check_args,
@@ -92,32 +92,9 @@ except ImportError:
 
 __all__ = ["HostChunk", "HostVmmDriver"]
 
-# Linux values; Python's mmap module exports none of PROT_NONE, MAP_FIXED, MAP_NORESERVE.
-_PROT_NONE = 0
-# Reservations (and unmapped ranges) read as zeros and fault on writes; see the docstring.
-_PROT_RESERVED = mmap.PROT_READ
-_PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
-_MAP_FIXED = 0x10  # the same on every Linux architecture
-_MACHINE = _platform.machine().lower()
-if _MACHINE.startswith(("ppc", "powerpc", "sparc")):
-    _MAP_NORESERVE = 0x40
-elif _MACHINE.startswith("mips"):
-    _MAP_NORESERVE = 0x400
-else:  # asm-generic: x86, arm, arm64, riscv, s390, ...
-    _MAP_NORESERVE = 0x4000
-_MAP_RESERVE_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-_MAP_FIXED_NOREPLACE = 0x100000
-# mremap flags (linux/mman.h), the same on every architecture.
-_MREMAP_MAYMOVE = 1
-_MREMAP_FIXED = 2
-_MREMAP_DONTUNMAP = 4  # Linux 5.7; for shared (memfd) mappings since 5.13
 # Seals of every chunk: fixed size (no SIGBUS for any mapping), and no further seals (a peer
 # cannot add F_SEAL_FUTURE_WRITE and break the other importers' mappings).
 _CHUNK_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-_MAP_FILES_HINT = (
-    "reopening a mapped chunk through /proc/self/map_files needs CAP_SYS_ADMIN or "
-    "CAP_CHECKPOINT_RESTORE (run as root, or grant the capability to the exporting process)"
-)
 
 
 class HostChunk:
@@ -265,14 +242,14 @@ class HostVmmDriver(VmmDriver):
         """A fresh reservation; on ``ENOMEM`` the quarantine is drained, then one retry."""
         try:
             return mmap_or_raise(
-                None, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS, -1, alignment=alignment
+                None, size, posix.PROT_RESERVED, posix.MAP_RESERVE_FLAGS, -1, alignment=alignment
             )
         except DriverError as error:
             if error.error_name != "ENOMEM" or not self.quarantined[0]:
                 raise
             self.flush_quarantine()
         return mmap_or_raise(
-            None, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS, -1, alignment=alignment
+            None, size, posix.PROT_RESERVED, posix.MAP_RESERVE_FLAGS, -1, alignment=alignment
         )
 
     def _quarantine_budget(self) -> int:
@@ -295,7 +272,12 @@ class HostVmmDriver(VmmDriver):
             # so a stale pointer into it faults rather than reading a later allocation's bytes.
             try:
                 mmap_or_raise(
-                    ptr, size, _PROT_NONE, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr)
+                    ptr,
+                    size,
+                    posix.PROT_NONE,
+                    posix.MAP_RESERVE_FLAGS | posix.MAP_FIXED,
+                    -1,
+                    ptr=hex(ptr),
                 )
                 parked = True
             except DriverError:  # e.g. ENOMEM at vm.max_map_count: free without the guard
@@ -372,8 +354,8 @@ class HostVmmDriver(VmmDriver):
             raise DriverError("mmap", "EBADF", ptr=hex(ptr), size=size, state=state)
         if size != handle.size:
             raise DriverError("mmap", "EINVAL", ptr=hex(ptr), size=size, chunk_size=handle.size)
-        prot = mmap.PROT_READ if handle.read_only else _PROT_READ_WRITE
-        mmap_or_raise(ptr, size, prot, mmap.MAP_SHARED | _MAP_FIXED, handle.fd, ptr=hex(ptr))
+        prot = mmap.PROT_READ if handle.read_only else posix.PROT_READ_WRITE
+        mmap_or_raise(ptr, size, prot, mmap.MAP_SHARED | posix.MAP_FIXED, handle.fd, ptr=hex(ptr))
         # The mapping holds its own reference to the memfd; dropping the descriptor keeps
         # open descriptors independent of the number of mapped chunks.
         fd, handle.fd = handle.fd, -1
@@ -385,7 +367,14 @@ class HostVmmDriver(VmmDriver):
         check_args("mmap", size, ptr)
         # One MAP_FIXED call swaps the shared pages for a fresh reservation (reading zeros);
         # munmap + mmap would leave a window in which another thread could take the range.
-        mmap_or_raise(ptr, size, _PROT_RESERVED, _MAP_RESERVE_FLAGS | _MAP_FIXED, -1, ptr=hex(ptr))
+        mmap_or_raise(
+            ptr,
+            size,
+            posix.PROT_RESERVED,
+            posix.MAP_RESERVE_FLAGS | posix.MAP_FIXED,
+            -1,
+            ptr=hex(ptr),
+        )
         watch(ptr, size, UNMAPPED)
 
     def move_mapping(self, handle: HostChunk, src_ptr: int, dst_ptr: int, size: int) -> None:
@@ -412,8 +401,8 @@ class HostVmmDriver(VmmDriver):
                 chunk=repr(handle),
             )
         libc = typed_libc()
-        flags = _MREMAP_MAYMOVE | _MREMAP_FIXED
-        result = libc.mremap(src_ptr, size, size, flags | _MREMAP_DONTUNMAP, dst_ptr)
+        flags = posix.MREMAP_MAYMOVE | posix.MREMAP_FIXED
+        result = libc.mremap(src_ptr, size, size, flags | posix.MREMAP_DONTUNMAP, dst_ptr)
         keep_source = True
         if result is None or result == MAP_FAILED:
             code = ctypes.get_errno()
@@ -431,12 +420,14 @@ class HostVmmDriver(VmmDriver):
                     dst=hex(dst_ptr),
                     size=size,
                 )
-        reserve_flags = _MAP_RESERVE_FLAGS | (_MAP_FIXED if keep_source else _MAP_FIXED_NOREPLACE)
+        reserve_flags = posix.MAP_RESERVE_FLAGS | (
+            posix.MAP_FIXED if keep_source else posix.MAP_FIXED_NOREPLACE
+        )
         try:
             mmap_or_raise(
                 src_ptr,
                 size,
-                _PROT_RESERVED,
+                posix.PROT_RESERVED,
                 reserve_flags,
                 -1,
                 ptr=hex(src_ptr),
@@ -451,8 +442,8 @@ class HostVmmDriver(VmmDriver):
                     mmap_or_raise(
                         dst_ptr,
                         size,
-                        _PROT_RESERVED,
-                        _MAP_RESERVE_FLAGS | _MAP_FIXED_NOREPLACE,
+                        posix.PROT_RESERVED,
+                        posix.MAP_RESERVE_FLAGS | posix.MAP_FIXED_NOREPLACE,
                         -1,
                         ptr=hex(dst_ptr),
                     )
@@ -499,7 +490,7 @@ class HostVmmDriver(VmmDriver):
         except OSError as exc:
             details: dict[str, object] = {"path": path, "size": handle.size}
             if exc.errno in (errno.EPERM, errno.EACCES) and handle.fd < 0:
-                details["hint"] = _MAP_FILES_HINT
+                details["hint"] = posix.MAP_FILES_HINT
             raise DriverError("open", errno_name(exc.errno), **details) from None
         try:
             file_size = os.fstat(fd).st_size
@@ -590,7 +581,7 @@ class HostVmmDriver(VmmDriver):
         check_device("host_alloc", device_index)
         check_args("mmap", size, pages=False)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        ptr = mmap_or_raise(None, size, _PROT_READ_WRITE, flags, -1)
+        ptr = mmap_or_raise(None, size, posix.PROT_READ_WRITE, flags, -1)
         self._host_allocations[ptr] = size
         return ptr, ptr
 
