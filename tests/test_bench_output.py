@@ -245,6 +245,23 @@ def test_a_short_name_never_cuts_inside_brackets():
     assert len(short) <= 60 and short.endswith("…") and unbroken in detail
 
 
+def test_a_footnote_keeps_its_parentheses_balanced():
+    """A name cut before a parenthesis that the rest of the name outlasts keeps the whole
+    parenthesis in its footnote (it read "copy_batch: memmove loop in C), the CPU ...")."""
+    from jaxbuf.cli._report import _depth, short_name
+
+    name = (
+        "floor: 8,192 scattered blocks gathered by one copy_batch (memmove loop in C), the "
+        "CPU driver's copy, in one process"
+    )
+    short, detail = short_name(name)
+    assert short == "floor: 8,192 scattered blocks gathered by one copy_batch"
+    assert detail == f"{short}: (memmove loop in C), the CPU driver's copy, in one process"
+    assert _depth(detail) == 0 and detail.count("(") == detail.count(")")
+    whole = "a name long enough to be cut at its parenthesis here (and all the rest inside)"
+    assert short_name(whole)[1].endswith(": and all the rest inside")
+
+
 def _decode_profiles() -> list[dict]:
     """jax.decode and torch.decode rows of three profiles each, shaped as the suites write
     them: six panels a row before the grid."""

@@ -48,9 +48,13 @@ def short_name(name: str, width: int = NAME_WIDTH) -> tuple[str, str]:
         while 0 < cut <= width and _depth(name[:cut]):  # never inside brackets: a.at[r, c]
             cut = name.find(separator, cut + 1)
         if 0 < cut <= width:
-            head, rest = name[:cut], name[cut + len(separator) :].strip()
-            if separator == " (" and rest.endswith(")"):
-                rest = rest[:-1]
+            head = name[:cut]
+            if separator == " (":  # the parenthesis stays whole in the footnote
+                rest = name[cut:].strip()
+                if rest.endswith(")") and not _depth(rest[1:-1]):
+                    rest = rest[1:-1]  # one parenthesis around all the rest: drop it
+            else:
+                rest = name[cut + len(separator) :].strip()
             return head, f"{head}: {rest}"
     cut = name.rfind(" ", 12, width - 1)
     head = name[: cut if cut > 0 else width - 1] + "…"
