@@ -73,6 +73,16 @@ class IntervalSet:
             result.append((cursor, end))
         return result
 
+    def intersection(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The maximal sub-ranges of ``[start, end)`` in the set, in order."""
+        result: list[tuple[int, int]] = []
+        starts, ends = self._starts, self._ends
+        i = bisect_right(ends, start)  # the first run that ends after `start`
+        while i < len(starts) and starts[i] < end:
+            result.append((max(starts[i], start), min(ends[i], end)))
+            i += 1
+        return result
+
     def _merge_span(self, start: int, end: int) -> tuple[int, int, int, int]:
         """Indices ``[lo, hi)`` of the runs that overlap or touch ``[start, end)`` and
         the bounds of their union with it."""

@@ -77,7 +77,7 @@ def test_add_rejects_empty_interval():
 
 
 operation = st.tuples(
-    st.sampled_from(["add", "discard", "gaps"]),
+    st.sampled_from(["add", "discard", "gaps", "intersection"]),
     st.integers(0, 60),
     st.integers(1, 20),
 )
@@ -97,9 +97,15 @@ def test_matches_a_set_model(operations):
         elif name == "discard":
             intervals.discard(start, end)
             model -= set(range(start, end))
-        else:
+        elif name == "gaps":
             missing = [x for x in range(start, end) if x not in model]
             assert [x for s, e in intervals.gaps(start, end) for x in range(s, e)] == missing
+        else:
+            pieces = intervals.intersection(start, end)
+            present = [x for x in range(start, end) if x in model]
+            assert [x for s, e in pieces for x in range(s, e)] == present
+            assert all(s < e for s, e in pieces)  # maximal, non-empty pieces
+            assert all(e < s for (_, e), (s, _) in zip(pieces, pieces[1:]))
         check_invariants(intervals)
         assert {x for s, e in intervals for x in range(s, e)} == model
 

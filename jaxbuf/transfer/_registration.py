@@ -15,13 +15,13 @@ changes.
 from __future__ import annotations
 
 import time
-from bisect import bisect_right
 from collections.abc import Iterable
 from typing import Any
 
 from jaxbuf._checks import as_int, as_seconds
 from jaxbuf._errors import Rollback
 from jaxbuf._interrupts import deferred_interrupts
+from jaxbuf._intervals import IntervalSet
 from jaxbuf.transfer._nixl import Agent, memory_type_of
 
 __all__ = ["Registration", "TransferInFlight"]
@@ -33,16 +33,6 @@ DEFAULT_RELEASE_TIMEOUT = 10.0
 class TransferInFlight(RuntimeError):
     """A release, defragment or free was refused: a transfer over the memory is still in
     flight after the registration's ``release_timeout``."""
-
-
-def _merged_spans(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
-        else:
-            merged.append((start, end))
-    return merged
 
 
 class Registration:
@@ -112,7 +102,9 @@ class Registration:
         self.mem_type = memory_type_of(tensor.driver.dlpack_device_type)
         self.device_id = tensor.device.index if self.mem_type == "VRAM" else 0
         offsets, capacities = tensor.segment_offsets, tensor.segment_capacities
-        self._spans = _merged_spans((offsets[s], offsets[s] + capacities[s]) for s in chosen)
+        self._spans = IntervalSet()  # the chosen segments' bytes
+        for segment in chosen:
+            self._spans.add(offsets[segment], offsets[segment] + capacities[segment])
         # chunk offset -> (registered pieces, NIXL handle), and the sorted chunk offsets.
         self._chunks: dict[int, tuple[list[tuple[int, int]], Any]] = {}
         self._ranges: list[tuple[int, int]] | None = []
@@ -143,16 +135,7 @@ class Registration:
 
     def _pieces(self, offset: int, size: int) -> list[tuple[int, int]]:
         """The parts of chunk ``[offset, offset + size)`` inside the chosen segments."""
-        spans, end = self._spans, offset + size
-        pieces = []
-        for i in range(max(bisect_right(spans, (offset, 1 << 64)) - 1, 0), len(spans)):
-            start, stop = spans[i]
-            if start >= end:
-                break
-            low, high = max(start, offset), min(stop, end)
-            if low < high:
-                pieces.append((low, high - low))
-        return pieces
+        return [(low, high - low) for low, high in self._spans.intersection(offset, offset + size)]
 
     # -- the MappingListener protocol -----------------------------------------------
     def mapped(self, chunks: list[tuple[int, int]]) -> None:
