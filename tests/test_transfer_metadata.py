@@ -21,6 +21,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxbuf
 
@@ -534,3 +536,64 @@ def test_connect_unix_errors(tmp_path):
     plain.write_bytes(b"")
     with pytest.raises(ConnectionRefusedError):
         connect_unix(plain, timeout=5)
+
+
+# -- 5. hand-cut descriptors: contiguous runs merged, never across a registration edge ------
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 64), min_size=1, max_size=24),
+    gaps=st.lists(st.sampled_from([0, 0, 0, 16]), min_size=24, max_size=24),
+    remote_gaps=st.lists(st.sampled_from([0, 0, 0, 8]), min_size=24, max_size=24),
+    edges=st.sets(st.integers(0, 2048), max_size=8),
+    other_edges=st.sets(st.integers(0, 2048), max_size=8),
+)
+def test_merge_runs_merges_what_is_contiguous_on_both_sides_and_no_more(
+    sizes, gaps, remote_gaps, edges, other_edges
+):
+    """Descriptor pairs as the NIXL link cuts them: merged where both sides run on without a
+    gap and no registration edge lies between; every byte pair is moved as before, in order,
+    and no merged descriptor spans an edge of either side."""
+    from jaxbuf.transfer._nixl_link import merge_runs
+
+    here, there, local_rows, remote_rows = 1000, 5000, [], []
+    for size, gap, remote_gap in zip(sizes, gaps, remote_gaps):
+        here, there = here + gap, there + remote_gap
+        local_rows.append((here, size, 0))
+        remote_rows.append((there, size, 1))
+        here, there = here + size, there + size
+    local = np.array(local_rows, dtype=np.uint64)
+    remote = np.array(remote_rows, dtype=np.uint64)
+    local_edges = np.array(sorted(e + 1000 for e in edges), dtype=np.int64)
+    remote_edges = np.array(sorted(e + 5000 for e in other_edges), dtype=np.int64)
+    merged_here, merged_there = merge_runs(local, remote, local_edges, remote_edges)
+
+    def pairs(mine, theirs):
+        return [
+            (int(a) + k, int(b) + k)
+            for (a, n, _), (b, _, _) in zip(mine.tolist(), theirs.tolist())
+            for k in range(int(n))
+        ]
+
+    assert pairs(merged_here, merged_there) == pairs(local, remote)
+    assert np.array_equal(merged_here[:, 1], merged_there[:, 1])
+    assert set(merged_here[:, 2].tolist()) <= {0} and set(merged_there[:, 2].tolist()) <= {1}
+    # Where a merged descriptor joins two of the originals, neither side has an edge.
+    k, originals = 0, list(zip(local.tolist(), remote.tolist()))
+    for row in merged_here.tolist():
+        covered = 0
+        while covered < row[1]:
+            (at_here, size, _), (at_there, _, _) = originals[k]
+            if covered:
+                assert at_here not in local_edges.tolist()
+                assert at_there not in remote_edges.tolist()
+            covered, k = covered + size, k + 1
+    # Maximal: two neighbours left apart have a gap or an edge between them.
+    for i in range(len(merged_here) - 1):
+        end_here = int(merged_here[i, 0] + merged_here[i, 1])
+        end_there = int(merged_there[i, 0] + merged_there[i, 1])
+        assert (
+            end_here != int(merged_here[i + 1, 0])
+            or end_there != int(merged_there[i + 1, 0])
+            or end_here in local_edges.tolist()
+            or end_there in remote_edges.tolist()
+        )
