@@ -32,7 +32,9 @@ class MemoryOwner(Protocol):
     """The interface views use on the owner of their memory.
 
     ``device``
-        Where the memory lives (a :class:`~jaxbuf.devices.Device`).
+        Where the memory lives: a :class:`~jaxbuf.devices.Device`, or on the owners of the
+        ``jaxbuf.torch`` / ``jaxbuf.jax`` faces that framework's device. Library code that
+        may be handed a face's object reads ``jaxbuf.as_device(owner.device)``.
     ``driver``
         The :class:`~jaxbuf.drivers.base.VmmDriver` that allocated it; events come from it.
     ``ready_event``

@@ -13,6 +13,13 @@ are those of :mod:`jaxbuf.torch`; the host side of a buffer is ``np`` (numpy ove
 memory, writable): ``cpu``, the seed's torch CPU tensor, has no JAX counterpart, since a JAX
 array cannot be written in place, and raises ``AttributeError`` naming ``np``.
 
+``device``, where the seed has one (:attr:`ExtensibleTensor.device`,
+:attr:`FusedStagedWriter.device`), is the ``jax.Device`` of that memory (``jax.devices()[i]``
+on a GPU, the CPU device on the host; ``ValueError`` when this JAX has no such device, as
+taking an array there would raise). The other classes' ``device`` is jaxbuf's
+:class:`~jaxbuf.Device` (``.jax()`` gives the ``jax.Device``); ``jaxbuf.as_device(x.device)``
+is a :class:`~jaxbuf.Device` for either, which is how the layers below read it.
+
 Aliasing contract
 -----------------
 JAX treats an array as an immutable value; an array from this face is a window on memory
@@ -48,6 +55,7 @@ Importing this module needs JAX installed (``ImportError`` naming the extra othe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -59,7 +67,7 @@ from jaxbuf.kv import DeviceParamTable as _DeviceParamTable
 from jaxbuf.kv import ExtensibleKVCacheBuffers as _ExtensibleKVCacheBuffers
 from jaxbuf.kv import ExtensibleKVCacheBuilder as _ExtensibleKVCacheBuilder
 from jaxbuf.kv import ParamField
-from jaxbuf.staged import FusedStagedWriter
+from jaxbuf.staged import FusedStagedWriter as _FusedStagedWriter
 from jaxbuf.staged import StagedWriteTensor as _StagedWriteTensor
 from jaxbuf.uva import NonUvaBuffer as _NonUvaBuffer
 from jaxbuf.uva import UvaBackedTensor as _UvaBackedTensor
@@ -69,6 +77,8 @@ from jaxbuf.uva import is_uva_available
 
 if TYPE_CHECKING:
     import jax
+
+    from jaxbuf.devices import Device
 
 __all__ = [
     "DeviceParamTable",
@@ -88,6 +98,13 @@ __all__ = [
 
 # ImportError naming the extra (pip install jaxbuf[jax]) now, rather than at the first array.
 interop.get("jax")
+
+
+@functools.cache
+def _jax_device(device: Device) -> jax.Device:
+    """``device`` as the ``jax.Device`` with its local index, found once per device
+    (ValueError, not cached, when JAX has none)."""
+    return device.jax()
 
 
 def _no_cpu(owner: object) -> NoReturn:
@@ -115,6 +132,19 @@ class ExtensibleTensor(_ExtensibleTensor):
     def segment_view(self, index: int) -> jax.Array:
         """Uint8 array over one segment's committed prefix, sized exactly to it."""
         return super().segment_view(index).to_jax()
+
+    @property
+    def device(self) -> jax.Device:
+        """The ``jax.Device`` of this memory (the seed's ``device``, in JAX's type)."""
+        return _jax_device(super().device)
+
+
+class FusedStagedWriter(_FusedStagedWriter):
+    """:class:`jaxbuf.FusedStagedWriter` whose ``device`` is a ``jax.Device``."""
+
+    @property
+    def device(self) -> jax.Device:
+        return _jax_device(super().device)
 
 
 def uint8_tensor_from_ptr(ptr: int, num_bytes: int, device_index: Any) -> jax.Array:

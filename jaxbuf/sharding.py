@@ -209,7 +209,7 @@ def sharded_jax_array(
         if buffer.base_ptr == 0:
             raise ValueError(f"buffers[{i}] has been freed")
         expected = as_device(jax_device)
-        actual = buffer.device
+        actual = as_device(buffer.device)
         if actual.platform != expected.platform or (
             expected.is_cuda and actual.index != expected.index
         ):
@@ -233,7 +233,10 @@ def sharded_jax_array(
                 f"{shard_shape} shard of {dt} needs {nbytes}"
             )
     arrays = [
-        _shard_to_jax(jax, buffer.segment_view(segment).view(dt, shard_shape), jax_device)
+        # The neutral view, also of a face's tensor (whose segment_view is an array).
+        _shard_to_jax(
+            jax, ExtensibleTensor.segment_view(buffer, segment).view(dt, shard_shape), jax_device
+        )
         for buffer, jax_device in zip(buffers, devices)
     ]
     return jax.assemble(global_shape, sharding, arrays)

@@ -27,10 +27,13 @@ seed name                              torch tensor where the seed has one
 :class:`DeviceParamTable`              ``table[name].gpu``
 =====================================  ============================================
 
-:func:`granule_size`, :func:`is_uva_available` and :class:`FusedStagedWriter` return no
-tensor: they are the neutral ones. One difference from the seed: ``device`` attributes are
-jaxbuf's :class:`~jaxbuf.Device` (``.index``, ``str()``; ``.torch()`` gives the
-``torch.device``), because the layers below read them.
+:func:`granule_size` and :func:`is_uva_available` return no tensor: they are the neutral
+ones; :class:`FusedStagedWriter` is the neutral one with the seed's ``device``. ``device``,
+where the seed has one (:attr:`ExtensibleTensor.device`, :attr:`FusedStagedWriter.device`),
+is the seed's ``torch.device`` (``torch.device("cuda", i)``, or ``torch.device("cpu")``).
+The other classes' ``device`` is jaxbuf's :class:`~jaxbuf.Device` (``.torch()`` gives the
+``torch.device``); ``jaxbuf.as_device(x.device)`` is a :class:`~jaxbuf.Device` for either,
+which is how :mod:`jaxbuf.sharing`, :mod:`jaxbuf.transfer` and :mod:`jaxbuf.kv` read it.
 
 A view taken before a grow keeps its size: take ``segment_view(i)`` again after
 ``resize_segments_``. Each call makes a new tensor (about a microsecond); a pool hands the
@@ -42,6 +45,7 @@ imports torch when the first tensor is made.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +57,7 @@ from jaxbuf.kv import DeviceParamTable as _DeviceParamTable
 from jaxbuf.kv import ExtensibleKVCacheBuffers as _ExtensibleKVCacheBuffers
 from jaxbuf.kv import ExtensibleKVCacheBuilder as _ExtensibleKVCacheBuilder
 from jaxbuf.kv import ParamField
-from jaxbuf.staged import FusedStagedWriter
+from jaxbuf.staged import FusedStagedWriter as _FusedStagedWriter
 from jaxbuf.staged import StagedWriteTensor as _StagedWriteTensor
 from jaxbuf.uva import NonUvaBuffer as _NonUvaBuffer
 from jaxbuf.uva import UvaBackedTensor as _UvaBackedTensor
@@ -63,6 +67,8 @@ from jaxbuf.uva import is_uva_available
 
 if TYPE_CHECKING:
     import torch
+
+    from jaxbuf.devices import Device
 
 __all__ = [
     "DeviceParamTable",
@@ -85,6 +91,12 @@ __all__ = [
 interop.get("torch")
 
 
+@functools.cache
+def _torch_device(device: Device) -> torch.device:
+    """``device`` as the seed's ``torch.device``, made once per device."""
+    return device.torch()
+
+
 class ExtensibleTensor(_ExtensibleTensor):
     """:class:`jaxbuf.ExtensibleTensor` whose views are torch uint8 tensors.
 
@@ -102,6 +114,20 @@ class ExtensibleTensor(_ExtensibleTensor):
     def segment_view(self, index: int) -> torch.Tensor:
         """Uint8 tensor over one segment's committed prefix, sized exactly to it."""
         return super().segment_view(index).to_torch()
+
+    @property
+    def device(self) -> torch.device:
+        """The seed's ``torch.device("cuda", i)``, or ``torch.device("cpu")``."""
+        return _torch_device(super().device)
+
+
+class FusedStagedWriter(_FusedStagedWriter):
+    """:class:`jaxbuf.FusedStagedWriter` whose ``device`` is a ``torch.device``, as in the
+    seed."""
+
+    @property
+    def device(self) -> torch.device:
+        return _torch_device(super().device)
 
 
 def uint8_tensor_from_ptr(ptr: int, num_bytes: int, device_index: Any) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Any
 
 from .._checks import as_count, as_int, as_shape
 from .._errors import Cleanup, ClosedError
-from ..devices import Device
+from ..devices import Device, as_device
 from ..dtypes import DTypeLike, canonical_dtype
 from ..extensible import ExtensibleTensor
 from ..views import BufferView
@@ -45,7 +45,7 @@ def _check_entries(buffers: Any, capacity: int) -> list[tuple[ExtensibleTensor, 
             )
         if any(tensor is other for other, _ in entries):
             raise ValueError(f"buffers[{i}] repeats a tensor already in the list")
-        if entries and tensor.device != entries[0][0].device:
+        if entries and as_device(tensor.device) != as_device(entries[0][0].device):
             raise ValueError(
                 f"buffers[{i}] is on {tensor.device}, buffers[0] on {entries[0][0].device}: "
                 "one KV cache lives on one device"
@@ -241,8 +241,9 @@ class ExtensibleKVCacheBuffers:
 
     @property
     def device(self) -> Device | None:
-        """The first tensor's device (None without tensors)."""
-        return self.buffers[0][0].device if self.buffers else None
+        """The first tensor's device, a :class:`~jaxbuf.Device` also when the tensors are a
+        face's (None without tensors)."""
+        return as_device(self.buffers[0][0].device) if self.buffers else None
 
     @property
     def freed(self) -> bool:
@@ -266,7 +267,7 @@ class ExtensibleKVCacheBuffers:
         returned): committed blocks may be touched, the rest may not (see
         :meth:`ExtensibleTensor.full_view`)."""
         self._check_open()
-        return self._entry(index)[0].full_view()
+        return ExtensibleTensor.full_view(self._entry(index)[0])  # neutral, also of a face's
 
     def segment_views(
         self,
@@ -285,7 +286,7 @@ class ExtensibleKVCacheBuffers:
         tensor, block_bytes = self._entry(index)
         n = self.num_blocks_capacity if num_blocks is None else self._check_count(num_blocks)
         shape, element = _block_shape(block_bytes, dtype, block_shape)
-        base = tensor.full_view()
+        base = ExtensibleTensor.full_view(tensor)  # a BufferView, also of a face's tensor
         return [
             BufferView(
                 base.ptr + offset,

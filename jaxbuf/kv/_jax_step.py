@@ -85,7 +85,12 @@ class KVCacheStep:
             raise TypeError(f"kv must be an ExtensibleKVCacheBuffers, got {kv!r}")
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {fn!r}")
-        views = kv.layer_views(dtype, block_shape)
+        # layer_views, as BufferViews also of a face's cache (whose views are arrays).
+        views = [
+            view
+            for index in range(len(kv.buffers))
+            for view in ExtensibleKVCacheBuffers.segment_views(kv, index, None, dtype, block_shape)
+        ]
         if not views:
             raise ValueError("the cache has no tensors")
         device = kv.device

@@ -17,7 +17,7 @@ from .._errors import Cleanup, ClosedError, Rollback
 from .._interrupts import deferred_interrupts
 from .._lifetime import release_or_retry_later
 from .._resolve import resolve
-from ..devices import Device, DeviceLike
+from ..devices import Device, DeviceLike, as_device
 from ..drivers.base import VmmDriver
 from ..dtypes import DType, canonical_dtype
 from ..extensible import ExtensibleTensor
@@ -90,7 +90,7 @@ class _TableOwner:
 
     @property
     def device(self) -> Device:
-        return self.tensor.device
+        return as_device(self.tensor.device)
 
     @property
     def driver(self) -> VmmDriver:

@@ -104,6 +104,7 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
+from jaxbuf.devices import as_device
 from jaxbuf.drivers.base import VmmDriver
 from jaxbuf.sharing._imported import ImportedBuffer
 from jaxbuf.sharing._layout import LAYOUT_VERSION, export_layout
@@ -163,7 +164,7 @@ def send_buffer(
     _check_peer(sock, allowed)
     layout, fds = export_layout(tensor, since, read_only=read_only)
     try:
-        tensor.driver.synchronize(tensor.device.index)
+        tensor.driver.synchronize(as_device(tensor.device).index)
         send_layout(sock, layout, fds, timeout=timeout)
     finally:
         _close_all(fds)

@@ -16,7 +16,7 @@ import secrets
 from typing import Any
 
 from jaxbuf._intervals import IntervalSet
-from jaxbuf.devices import Device
+from jaxbuf.devices import as_device
 from jaxbuf.sharing._wire import _close_all
 
 LAYOUT_VERSION = 1
@@ -59,7 +59,7 @@ def export_layout(
     buffer = tensor._live_buffer()
     token = _owner_token(buffer)
     driver = tensor.driver
-    device: Device = tensor.device
+    device = as_device(tensor.device)  # a face's tensor gives its framework's
     export = driver.export_handle
     if read_only:
         export = getattr(driver, "export_read_only_handle", None)

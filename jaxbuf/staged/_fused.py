@@ -198,7 +198,7 @@ class FusedStagedWriter:
         max_concurrency = check_max_concurrency(max_concurrency)
         device, driver = resolve(device, driver)
         self.backend = check_backend(backend, device)
-        self.device = device
+        self._device = device
         self.max_writes = max_writes
         self.max_concurrency = max_concurrency
         self.guarded = bool(guarded)
@@ -326,8 +326,8 @@ class FusedStagedWriter:
         """CUDA: enqueue the launch on ``stream`` after the targets' earlier writes (and after
         ``copy``, ``(device_dst, slot_src, size)``, when the kernel reads a device copy), then
         record the event that orders consumers and guards the slot."""
-        driver, index = self._driver, self.device.index
-        raw = raw_stream(stream, self.device)
+        driver, index = self._driver, self._device.index
+        raw = raw_stream(stream, self._device)
         dlpack_stream = raw or 1  # DLPack and CUDA agree on 1 (legacy) and 2
         # A tensor last written on another stream: order this launch after those writes.
         for t in tensors:
@@ -363,7 +363,7 @@ class FusedStagedWriter:
         for t in tensors:
             t.staging.applied = None
         what = "synchronizing after the failed event record"
-        attempt(error, what, self._driver.synchronize, self.device.index)
+        attempt(error, what, self._driver.synchronize, self._device.index)
         error.add_note("the staged writes were launched and are applied; they are no longer staged")
 
     def _tables(self, i: int, num_groups: int, num_writes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -388,7 +388,7 @@ class FusedStagedWriter:
 
             # Releasing the old copy synchronizes the device first: no reader is left.
             new = committed_buffer(
-                self._driver, slot.capacity, self.device.index, "FusedStagedWriter staging copy"
+                self._driver, slot.capacity, self._device.index, "FusedStagedWriter staging copy"
             )
             slot.device_copy = new
             if copy is not None:
@@ -430,8 +430,8 @@ class FusedStagedWriter:
                 raise _not_tensors([t])
             if state.group_entry is None:
                 raise FreedError("StagedWriteTensor", "freed", f"cannot apply {t!r}")
-            if t.device != self.device:
-                raise ValueError(f"{t!r} is on {t.device}; this writer applies on {self.device}")
+            if t.device != self._device:
+                raise ValueError(f"{t!r} is on {t.device}; this writer applies on {self._device}")
             if id(t) in seen:
                 raise ValueError(f"{t!r} appears twice in one apply")
             seen.add(id(t))
@@ -473,6 +473,12 @@ class FusedStagedWriter:
         self.close()
 
     @property
+    def device(self) -> Device:
+        """Where the writes are applied, a :class:`~jaxbuf.Device` (the faces give their
+        framework's device here; library code reads :func:`~jaxbuf.as_device` of it)."""
+        return self._device
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -484,7 +490,7 @@ class FusedStagedWriter:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"nbytes={self.nbytes}"
         return (
-            f"FusedStagedWriter(device={self.device}, max_writes={self.max_writes}, "
+            f"FusedStagedWriter(device={self._device}, max_writes={self.max_writes}, "
             f"max_concurrency={self.max_concurrency}, backend={self.backend!r}, {state})"
         )
 

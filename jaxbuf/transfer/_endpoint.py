@@ -16,6 +16,7 @@ from typing import Any
 
 from jaxbuf._checks import as_int
 from jaxbuf.dtypes import uint8
+from jaxbuf.extensible import ExtensibleTensor
 from jaxbuf.transfer._blocks import KVLayout
 from jaxbuf.transfer._control import Limits
 from jaxbuf.transfer._nixl import Agent
@@ -160,7 +161,7 @@ def block_view(
             f"blocks [{first}, {first + count}) are outside the {blocks} committed block(s) "
             f"of segment {segment}"
         )
-    view = side.tensor.segment_view(segment)
+    view = ExtensibleTensor.segment_view(side.tensor, segment)  # neutral, also of a face's
     return BufferView(
         view.ptr + first * side.block_bytes,
         count * side.block_bytes,

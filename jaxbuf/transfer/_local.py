@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from jaxbuf._interrupts import deferred_interrupts
+from jaxbuf.devices import as_device
 from jaxbuf.drivers.base import DriverError
 from jaxbuf.sharing import ImportedBuffer
 from jaxbuf.transfer._blocks import check_block_range
@@ -129,7 +130,7 @@ class SameHostLink(Link):
         assert address is not None  # noqa: S101 - the caller checked same_host_refusal
         self.peer, self.sides, self.copier = peer, sides, copier
         self.driver = sides[0].tensor.driver
-        self.device = sides[0].tensor.device
+        self.device = as_device(sides[0].tensor.device)
         self.address = address.address
         self.control = ControlLink(self.address, name, peer, timeout=timeout)
         self.imports: list[ImportedBuffer | None] = [None] * len(layouts)

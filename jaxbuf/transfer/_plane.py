@@ -28,6 +28,7 @@ from typing import Any
 from jaxbuf._checks import as_int, as_seconds
 from jaxbuf._errors import Cleanup, ClosedError, Rollback
 from jaxbuf._interrupts import deferred_interrupts
+from jaxbuf.devices import as_device
 from jaxbuf.drivers.base import DriverError
 from jaxbuf.transfer._blocks import KVLayout, block_ids
 from jaxbuf.transfer._control import MAX_NOTIFICATION, Inbox, Limits
@@ -142,11 +143,11 @@ class TransferPlane:
         with Rollback(self.kind) as undo:
             for spec in tensors:
                 self.sides.append(self._side(*spec, release_timeout=release_timeout, undo=undo))
-            devices = {side.tensor.device for side in self.sides}
+            devices = {as_device(side.tensor.device) for side in self.sides}
             if len(devices) != 1:
                 raise ValueError(f"an endpoint's tensors must share one device, got {devices}")
         first = self.sides[0].tensor
-        self.copier = BlockCopier(first.driver, first.device)  # the same-host copies
+        self.copier = BlockCopier(first.driver, as_device(first.device))  # the same-host copies
         self._nixl_local = NixlLocal(nixl_agent, self.sides) if nixl_agent is not None else None
         self.inbox = Inbox(self.limits.queued_notifications)
         self.peers: dict[str, Peer] = {}

@@ -22,6 +22,7 @@ from jaxbuf._checks import as_int, as_seconds
 from jaxbuf._errors import Rollback
 from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf._intervals import IntervalSet
+from jaxbuf.devices import as_device
 from jaxbuf.transfer._nixl import Agent, memory_type_of
 
 __all__ = ["Registration", "TransferInFlight"]
@@ -100,7 +101,7 @@ class Registration:
         self.release_timeout = float(release_timeout)
         self.base_ptr = tensor.base_ptr
         self.mem_type = memory_type_of(tensor.driver.dlpack_device_type)
-        self.device_id = tensor.device.index if self.mem_type == "VRAM" else 0
+        self.device_id = as_device(tensor.device).index if self.mem_type == "VRAM" else 0
         offsets, capacities = tensor.segment_offsets, tensor.segment_capacities
         self._spans = IntervalSet()  # the chosen segments' bytes
         for segment in chosen:
