@@ -232,8 +232,11 @@ def sharded_jax_array(
                 f"buffers[{i}] has {committed} bytes committed in segment {segment}; a "
                 f"{shard_shape} shard of {dt} needs {nbytes}"
             )
+    # The neutral method: a face's buffer (jaxbuf.torch, jaxbuf.jax) returns framework arrays.
     arrays = [
-        _shard_to_jax(jax, buffer.segment_view(segment).view(dt, shard_shape), jax_device)
+        _shard_to_jax(
+            jax, ExtensibleTensor.segment_view(buffer, segment).view(dt, shard_shape), jax_device
+        )
         for buffer, jax_device in zip(buffers, devices)
     ]
     return jax.assemble(global_shape, sharding, arrays)

@@ -266,7 +266,8 @@ class ExtensibleKVCacheBuffers:
         returned): committed blocks may be touched, the rest may not (see
         :meth:`ExtensibleTensor.full_view`)."""
         self._check_open()
-        return self._entry(index)[0].full_view()
+        # The neutral method: a face's tensor (jaxbuf.torch) returns framework arrays.
+        return ExtensibleTensor.full_view(self._entry(index)[0])
 
     def segment_views(
         self,
@@ -285,7 +286,7 @@ class ExtensibleKVCacheBuffers:
         tensor, block_bytes = self._entry(index)
         n = self.num_blocks_capacity if num_blocks is None else self._check_count(num_blocks)
         shape, element = _block_shape(block_bytes, dtype, block_shape)
-        base = tensor.full_view()
+        base = ExtensibleTensor.full_view(tensor)  # neutral, as in full_view
         return [
             BufferView(
                 base.ptr + offset,

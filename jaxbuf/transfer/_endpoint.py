@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxbuf._checks import as_int
+from jaxbuf._segments import SegmentedReservation
 from jaxbuf.dtypes import uint8
 from jaxbuf.transfer._blocks import KVLayout
 from jaxbuf.transfer._control import Limits
@@ -160,7 +161,8 @@ def block_view(
             f"blocks [{first}, {first + count}) are outside the {blocks} committed block(s) "
             f"of segment {segment}"
         )
-    view = side.tensor.segment_view(segment)
+    # The neutral method: a face's tensor (jaxbuf.torch) returns framework arrays.
+    view = SegmentedReservation.segment_view(side.tensor, segment)
     return BufferView(
         view.ptr + first * side.block_bytes,
         count * side.block_bytes,

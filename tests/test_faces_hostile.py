@@ -1,0 +1,100 @@
+"""The framework faces (``jaxbuf.torch``, ``jaxbuf.jax``) and the neutral ``BufferView`` used
+as a careless or hostile user would: face objects handed to jaxbuf's own layers, views
+handed to numpy/JAX converters, face handles dropped without ``free()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from conftest import JAX_REASON, TORCH_REASON
+
+import jaxbuf
+
+MiB = 1 << 20
+
+
+@pytest.fixture(params=["torch", "jax"])
+def face(request):
+    """The face module (``jaxbuf.torch`` or ``jaxbuf.jax``), skipped when its framework is
+    missing."""
+    reason = TORCH_REASON if request.param == "torch" else JAX_REASON
+    if reason:
+        pytest.skip(reason)
+    return importlib.import_module(f"jaxbuf.{request.param}")
+
+
+def _address(array) -> int:
+    """Where a face's array starts (torch ``data_ptr``, JAX ``unsafe_buffer_pointer``)."""
+    if hasattr(array, "data_ptr"):
+        return array.data_ptr()
+    return array.unsafe_buffer_pointer()
+
+
+# -- a face's ExtensibleTensor handed to jaxbuf's own layers ----------------------------
+# A face overrides segment_view / full_view to return framework arrays; jaxbuf's layers that
+# take an ExtensibleTensor must still get the neutral views from it.
+
+
+@pytest.mark.parametrize("buffers_face", [False, True])
+def test_kv_buffers_over_face_tensors_hand_out_their_views(device, face, buffers_face):
+    tensor = face.ExtensibleTensor(8 * MiB, device, num_segments=2)
+    cls = face.ExtensibleKVCacheBuffers if buffers_face else jaxbuf.ExtensibleKVCacheBuffers
+    buffers = cls([(tensor, 1024)], 100)
+    try:
+        buffers.commit(3)
+        views = buffers.segment_views(0) + buffers.committed_views(0) + buffers.layer_views()
+        full = buffers.full_view(0)
+        starts = [tensor.base_ptr + offset for offset in tensor.segment_offsets]
+        got = [v.ptr if isinstance(v, jaxbuf.BufferView) else _address(v) for v in views]
+        assert got == starts * 3
+        assert (full.ptr if isinstance(full, jaxbuf.BufferView) else _address(full)) == starts[0]
+        if not buffers_face:  # the neutral class hands out neutral views, whatever the tensor
+            assert all(isinstance(v, jaxbuf.BufferView) for v in [*views, full])
+    finally:
+        buffers.free()
+
+
+def test_transfer_block_view_of_a_face_tensor(face):
+    from jaxbuf.transfer import KVEndpoint, KVLayout
+
+    a = face.ExtensibleTensor(8 * MiB, "cpu")
+    b = face.ExtensibleTensor(8 * MiB, "cpu")
+    for tensor in (a, b):
+        tensor.resize_per_segment_(2 * MiB)
+    ea = KVEndpoint(f"hostile-a-{face.__name__}", a, KVLayout(4096))
+    eb = KVEndpoint(f"hostile-b-{face.__name__}", b, KVLayout(4096))
+    try:
+        jaxbuf.ExtensibleTensor.segment_view(a, 0).to_numpy()[4096 * 3 : 4096 * 4] = 7
+        ea.write(ea.connect(eb.metadata()), [3], [5]).wait(timeout=30)
+        view = eb.block_view(0, 5)
+        assert isinstance(view, jaxbuf.BufferView)
+        assert view.ptr == b.base_ptr + 5 * 4096
+        assert (view.to_numpy() == 7).all()
+    finally:
+        ea.close()
+        eb.close()
+        a.free()
+        b.free()
+
+
+def test_sharded_jax_array_over_a_face_tensor(face):
+    if JAX_REASON:
+        pytest.skip(JAX_REASON)
+    import jax
+    from jax.sharding import Mesh, PartitionSpec
+
+    from jaxbuf.sharding import sharded_jax_array
+
+    tensor = face.ExtensibleTensor(8 * MiB, "cpu")
+    tensor.resize_per_segment_(4096)
+    try:
+        jaxbuf.ExtensibleTensor.segment_view(tensor, 0).to_numpy(dtype="float32")[:16] = 3.0
+        mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
+        array = sharded_jax_array([tensor], mesh, PartitionSpec("x"), "float32", (16,))
+        np.testing.assert_array_equal(np.asarray(array), np.full(16, 3.0, np.float32))
+        del array
+    finally:
+        tensor.free()
