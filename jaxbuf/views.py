@@ -270,6 +270,14 @@ class BufferView:
     def __iter__(self) -> Any:
         raise TypeError(f"'BufferView' object is not iterable: {_NOT_A_TENSOR}")
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        # Without it numpy (and jnp.asarray, through numpy) takes a view for a sequence, as
+        # __len__ and __getitem__ say, and fails naming nothing: say where the arrays are.
+        raise TypeError(
+            "a BufferView does not convert implicitly (np.asarray, np.array, jnp.asarray): "
+            f"take a numpy array of host memory with .to_numpy(); {_NOT_A_TENSOR}"
+        )
+
     # -- reinterpretation -------------------------------------------------------------
     def view(self, dtype: DTypeLike | None = None, shape: Any = None) -> BufferView:
         """The same bytes as another dtype and/or shape (a prefix when smaller).

@@ -98,3 +98,37 @@ def test_sharded_jax_array_over_a_face_tensor(face):
         del array
     finally:
         tensor.free()
+
+
+# -- a BufferView handed to numpy / JAX converters --------------------------------------
+
+
+def _converters():
+    converters = [("np.asarray", np.asarray), ("np.array", np.array)]
+    converters.append(("np.asarray object", lambda v: np.asarray([v, v], dtype=object)))
+    if not JAX_REASON:
+        import jax.numpy as jnp
+
+        converters.append(("jnp.asarray", jnp.asarray))
+    return converters
+
+
+@pytest.mark.parametrize(
+    "name, convert", _converters(), ids=lambda x: x if isinstance(x, str) else ""
+)
+def test_implicit_array_conversion_of_a_view_names_the_way(name, convert):
+    tensor = jaxbuf.ExtensibleTensor(4 * MiB, "cpu")
+    tensor.resize_per_segment_(4096)
+    view = tensor.segment_view(0)
+    try:
+        with pytest.raises(TypeError, match=r"\.to_numpy\(\).*jaxbuf\.torch"):
+            convert(view)
+        # The explicit, zero-copy ways stay open.
+        assert np.from_dlpack(view).ctypes.data == view.ptr == view.to_numpy().ctypes.data
+        if not TORCH_REASON:
+            import torch
+
+            assert torch.as_tensor(view).data_ptr() == view.ptr  # through DLPack
+    finally:
+        del view
+        tensor.free()
