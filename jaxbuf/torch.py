@@ -88,9 +88,9 @@ interop.get("torch")
 class ExtensibleTensor(_ExtensibleTensor):
     """:class:`jaxbuf.ExtensibleTensor` whose views are torch uint8 tensors.
 
-    The neutral views behind them are kept while their bytes stay the same, so a repeated
-    ``segment_view(i)`` costs one import. They refer back to the handle: a handle dropped
-    without :meth:`free` is collected by the cycle collector (``free()`` breaks the cycle).
+    The neutral views behind them are kept (as templates that refer to no handle) while
+    their bytes stay the same, so a repeated ``segment_view(i)`` costs one import; a handle
+    dropped without :meth:`free` still goes at once.
     """
 
     _reuse_views = True

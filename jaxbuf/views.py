@@ -407,6 +407,21 @@ class BufferView:
             )
         _order_after_owner(self, stream)
 
+    def _with_owner(self, owner: Any) -> BufferView:
+        """This view (its payloads as packed) owned by ``owner``: no checks, no packing. How
+        an owner's kept template, which refers to no owner, becomes the view it hands out."""
+        view = object.__new__(BufferView)
+        view.ptr = self.ptr
+        view.nbytes = self.nbytes
+        view.dtype = self.dtype
+        view.shape = self.shape
+        view.device = self.device
+        view.owner = owner
+        view.dlpack_device_type = self.dlpack_device_type
+        view._legacy_payload = self._legacy_payload
+        view._versioned_payload = self._versioned_payload
+        return view
+
     def _pack_versioned(self) -> _dlpack.Payload:
         """The versioned payload, packed on first use and kept."""
         payload = self._versioned_payload = self._pack(versioned=True)

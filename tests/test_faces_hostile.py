@@ -132,3 +132,42 @@ def test_implicit_array_conversion_of_a_view_names_the_way(name, convert):
     finally:
         del view
         tensor.free()
+
+
+# -- a face handle dropped without free() ------------------------------------------------
+
+
+@pytest.fixture
+def no_cycle_collector():
+    """The cycle collector off, as under ``gc.freeze()`` (vLLM freezes its startup heap):
+    only reference counting frees anything."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.mark.parametrize("neutral", [False, True])
+def test_a_dropped_handle_releases_its_memory_at_once(device, face, neutral, no_cycle_collector):
+    """The views a face keeps for speed must not hold the handle in a cycle: dropped without
+    ``free()``, its memory goes at once, as the neutral handle's (and the seed's) does."""
+    import weakref
+
+    from jaxbuf.drivers import get_vmm_driver
+    from jaxbuf.testing import FaultInjectingDriver
+
+    driver = FaultInjectingDriver(get_vmm_driver(device))
+    cls = jaxbuf.ExtensibleTensor if neutral else face.ExtensibleTensor
+    buf = cls(4 * MiB, device, num_segments=2, driver=driver)
+    buf.resize_per_segment_(4096, zero_new=True)
+    for _ in range(2):  # a kept view, then its reuse
+        arrays = [buf.segment_view(0), buf.segment_view(1), buf.full_view()]
+    buf.resize_per_segment_(8192)
+    arrays.append(buf.segment_view(1))
+    del arrays
+    ref = weakref.ref(buf)
+    del buf
+    assert ref() is None
+    driver.assert_clean()
