@@ -43,13 +43,14 @@ that jaxbuf (and the host, and torch) may change. What it shows:
   that update a KV cache in place use :class:`jaxbuf.kv.KVCacheStep`; for row writes from
   inside ``jit`` use :mod:`jaxbuf.jax_ops`.
 
-Importing this module needs JAX installed (``ImportError`` naming the extra otherwise).
+Importing this module needs JAX installed (``ImportError`` naming the extra otherwise); it
+imports JAX then, not at the first array.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from jaxbuf import interop
 from jaxbuf import views as _views
@@ -66,9 +67,6 @@ from jaxbuf.uva import UvaBackedTensor as _UvaBackedTensor
 from jaxbuf.uva import UvaBuffer as _UvaBuffer
 from jaxbuf.uva import UvaBufferPool as _UvaBufferPool
 from jaxbuf.uva import is_uva_available
-
-if TYPE_CHECKING:
-    import jax
 
 __all__ = [
     "DeviceParamTable",
@@ -87,7 +85,11 @@ __all__ = [
 ]
 
 # ImportError naming the extra (pip install jaxbuf[jax]) now, rather than at the first array.
+# Then JAX itself, here and not at the first array: a Ctrl-C in the middle of JAX's import
+# (seconds) leaves it half-initialized for the process, which belongs to an import
+# statement, not to a harmless-looking call.
 interop.get("jax")
+import jax  # noqa: E402
 
 
 def _no_cpu(owner: object) -> NoReturn:

@@ -37,13 +37,13 @@ A view taken before a grow keeps its size: take ``segment_view(i)`` again after
 same tensor back for the same slot and length.
 
 Importing this module needs torch installed (``ImportError`` naming the extra otherwise); it
-imports torch when the first tensor is made.
+imports torch then, not at the first tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxbuf import interop
 from jaxbuf import views as _views
@@ -60,9 +60,6 @@ from jaxbuf.uva import UvaBackedTensor as _UvaBackedTensor
 from jaxbuf.uva import UvaBuffer as _UvaBuffer
 from jaxbuf.uva import UvaBufferPool as _UvaBufferPool
 from jaxbuf.uva import is_uva_available
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "DeviceParamTable",
@@ -81,8 +78,11 @@ __all__ = [
 ]
 
 # ImportError naming the extra (pip install jaxbuf[torch]) now, rather than at the first
-# tensor; loads the adapter without importing torch.
+# tensor. Then torch itself, here and not at the first tensor: a Ctrl-C in the middle of
+# torch's import (seconds) leaves it half-initialized for the process, which belongs to an
+# import statement, not to a harmless-looking call.
 interop.get("torch")
+import torch  # noqa: E402
 
 
 class ExtensibleTensor(_ExtensibleTensor):

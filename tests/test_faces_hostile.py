@@ -171,3 +171,48 @@ def test_a_dropped_handle_releases_its_memory_at_once(device, face, neutral, no_
     del buf
     assert ref() is None
     driver.assert_clean()
+
+
+# -- a Ctrl-C at the first call ----------------------------------------------------------
+
+_FIRST_CALL = """
+import sys
+
+import jaxbuf.{face} as face
+
+class ImportWatch:
+    # Consulted only for a module not imported yet: the framework imported inside a call.
+    def find_spec(self, name, path=None, target=None):
+        if name == "{framework}":
+            raise KeyboardInterrupt(f"{{name}} imported inside the first call")
+        return None
+
+sys.meta_path.insert(0, ImportWatch())
+buf = face.ExtensibleTensor(4 << 20, "cpu")
+buf.resize_per_segment_(4096)
+array = buf.segment_view(0)
+print(type(array).__module__, array.shape)
+del array
+buf.free()
+"""
+
+
+@pytest.mark.parametrize("face_name", ["torch", "jax"])
+def test_the_first_call_of_a_face_imports_no_framework(face_name):
+    """The face imports its framework when it is imported, never inside a call: a Ctrl-C in
+    the middle of torch's or JAX's import (seconds, at the first tensor) left the framework
+    half-initialized for the process (``SystemError``, ``partially initialized module``,
+    ``SIGSEGV`` at later calls), from an API call that looked harmless."""
+    import os
+    import subprocess
+    import sys
+
+    if TORCH_REASON if face_name == "torch" else JAX_REASON:
+        pytest.skip(TORCH_REASON or JAX_REASON)
+    script = _FIRST_CALL.format(face=face_name, framework=face_name)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(4096,)" in done.stdout or "[4096]" in done.stdout, done.stdout
