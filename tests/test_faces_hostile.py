@@ -216,3 +216,28 @@ def test_the_first_call_of_a_face_imports_no_framework(face_name):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "(4096,)" in done.stdout or "[4096]" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("neutral", [False, True])
+def test_a_dropped_staged_write_tensor_releases_its_memory_at_once(
+    device, face, neutral, no_cycle_collector
+):
+    """The view a StagedWriteTensor keeps of its target must not hold it in a cycle: dropped
+    without ``free()`` (its target taken and dropped, or never taken), its memory goes at
+    once."""
+    import weakref
+
+    from jaxbuf.drivers import get_vmm_driver
+    from jaxbuf.testing import FaultInjectingDriver
+
+    cls = jaxbuf.StagedWriteTensor if neutral else face.StagedWriteTensor
+    for take in (False, True):
+        driver = FaultInjectingDriver(get_vmm_driver(device))
+        staged = cls((8, 4), "int32", device=device, driver=driver)
+        if take:
+            array = staged.gpu  # a view (neutral) or a framework array over the target
+            del array
+        ref = weakref.ref(staged)
+        del staged
+        assert ref() is None
+        driver.assert_clean()
