@@ -270,6 +270,10 @@ class BufferView:
     def __iter__(self) -> Any:
         raise TypeError(f"'BufferView' object is not iterable: {_NOT_A_TENSOR}")
 
+    def __contains__(self, item: Any) -> bool:
+        # Without it ``in`` falls back to __iter__ and Python replaces that error's message.
+        raise TypeError(f"'BufferView' object does not support 'in': {_NOT_A_TENSOR}")
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
         # Without it numpy (and jnp.asarray, through numpy) takes a view for a sequence, as
         # __len__ and __getitem__ say, and fails naming nothing: say where the arrays are.

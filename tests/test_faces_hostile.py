@@ -241,3 +241,28 @@ def test_a_dropped_staged_write_tensor_releases_its_memory_at_once(
         del staged
         assert ref() is None
         driver.assert_clean()
+
+
+# -- a BufferView used as a tensor ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "misuse",
+    [
+        lambda v: v[0],
+        lambda v: v.__setitem__(0, 1),
+        lambda v: list(v),
+        lambda v: 3 in v,
+        lambda v: v.tolist(),
+        lambda v: v.data_ptr(),
+    ],
+    ids=["index", "assign", "iterate", "contains", "tolist", "data_ptr"],
+)
+def test_a_view_used_as_a_tensor_names_the_faces(misuse):
+    tensor = jaxbuf.ExtensibleTensor(4 * MiB, "cpu")
+    tensor.resize_per_segment_(4096)
+    try:
+        with pytest.raises((TypeError, AttributeError), match=r"\.to_torch\(\).*jaxbuf\.torch"):
+            misuse(tensor.segment_view(0))
+    finally:
+        tensor.free()
