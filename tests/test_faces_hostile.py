@@ -266,3 +266,60 @@ def test_a_view_used_as_a_tensor_names_the_faces(misuse):
             misuse(tensor.segment_view(0))
     finally:
         tensor.free()
+
+
+# -- Ctrl-C at random instants ---------------------------------------------------------------
+
+
+def test_a_face_interrupted_at_random_instants_stays_usable_and_leaks_nothing(face):
+    """A timer signal (its handler raising KeyboardInterrupt) at seeded random instants of a
+    face's calls (grows, segment and full views, dropping arrays): every call completes or
+    raises, the handle then gives views sized to what is committed, and once it is freed and
+    its arrays are gone, nothing is left."""
+    import gc
+    import random
+    import signal
+
+    from jaxbuf.drivers import get_vmm_driver
+    from jaxbuf.testing import FaultInjectingDriver
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    rng = random.Random(20261205)
+    outcomes = {"done": 0, "interrupted": 0}
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        for _ in range(12):
+            driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+            buf = face.ExtensibleTensor(8 * MiB, "cpu", num_segments=2, driver=driver)
+            held, size = [], 0
+            for _ in range(25):
+                try:
+                    signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 300e-6))
+                    step = rng.random()
+                    if step < 0.3:
+                        size += 4096
+                        buf.resize_per_segment_(size, zero_new=rng.random() < 0.5)
+                    elif step < 0.7:
+                        held.append(buf.segment_view(rng.randrange(2)))
+                    elif step < 0.8:
+                        held.append(buf.full_view())
+                    elif held:
+                        held.pop(rng.randrange(len(held)))
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                    outcomes["done"] += 1
+                except KeyboardInterrupt:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                    outcomes["interrupted"] += 1
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            assert [buf.segment_view(i).shape[0] for i in (0, 1)] == buf.committed_sizes
+            buf.free()
+            held.clear()
+            gc.collect()
+            assert buf.live_exports == 0 and buf.released
+            driver.assert_clean()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert outcomes["done"] and outcomes["interrupted"], outcomes
