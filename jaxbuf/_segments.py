@@ -55,13 +55,14 @@ class SegmentedReservation:
         if views is None:
             views = self._views = {}
         template = views.get((ptr, nbytes))
-        if template is None:
-            if len(views) > 2 * len(self._committed) + 2:  # old sizes, after growth
-                views.clear()
-            view = self._new_view(ptr, nbytes)
-            view._pack_versioned()  # as this owner's (read-only or not), then kept ownerless
-            template = views[ptr, nbytes] = view._with_owner(None)
-        return template._with_owner(self)
+        if template is not None:
+            return template._with_owner(self)
+        if len(views) > 2 * len(self._committed) + 2:  # old sizes, after growth
+            views.clear()
+        view = self._new_view(ptr, nbytes)
+        view._pack_versioned()  # as this owner's (read-only or not), then kept ownerless
+        views[ptr, nbytes] = view._with_owner(None)
+        return view
 
     def _new_view(self, ptr: int, nbytes: int) -> BufferView:
         return BufferView(
