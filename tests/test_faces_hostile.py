@@ -1,6 +1,7 @@
 """The framework faces (``jaxbuf.torch``, ``jaxbuf.jax``) and the neutral ``BufferView`` used
 as a careless or hostile user would: face objects handed to jaxbuf's own layers, views
-handed to numpy/JAX converters, face handles dropped without ``free()``.
+handed to numpy/JAX converters or used as tensors, handles dropped without ``free()`` with
+the cycle collector off, Ctrl-C at the first call and at random instants.
 """
 
 from __future__ import annotations
