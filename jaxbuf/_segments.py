@@ -37,28 +37,31 @@ class SegmentedReservation:
         """The reservation's address; RuntimeError once it is freed or closed."""
         raise NotImplementedError
 
-    #: Whether :meth:`_view` keeps the views it made, by ``(ptr, nbytes)``: a view is
-    #: immutable and holds no export, so one serves every call over the same bytes, its
-    #: capsule payloads packed once (a face's ``segment_view`` then costs one import, not a
-    #: view and a pack too). Off here: the handle and its kept views form a cycle, so a handle
-    #: dropped without ``free()`` would wait for the cycle collector, and jaxbuf's own owners
-    #: (a NonUvaBuffer's device memory) rely on a dropped tensor going at once. The framework
-    #: faces turn it on for the tensors users hold.
+    #: Whether :meth:`_view` keeps the views it made, by ``(ptr, nbytes)``: the framework
+    #: faces turn it on for the tensors users take over and over. A kept view is a template
+    #: without an owner (its capsule payloads packed once); each call hands out a copy owned
+    #: by this handle, so a face's ``segment_view`` costs one import and a copy, not a view
+    #: and a pack too. Templates refer to nothing: no cycle through the handle, so a handle
+    #: dropped without ``free()`` goes at once (also with the cycle collector off or frozen),
+    #: as jaxbuf's own owners (a NonUvaBuffer's device memory) rely on.
     _reuse_views: bool = False
     _views: dict[tuple[int, int], BufferView] | None = None
 
     def _view(self, offset: int, nbytes: int) -> BufferView:
         ptr = self._live_base_ptr() + offset  # ClosedError once freed, kept view or not
+        if not self._reuse_views:
+            return self._new_view(ptr, nbytes)
         views = self._views
         if views is None:
-            if not self._reuse_views:
-                return self._new_view(ptr, nbytes)
             views = self._views = {}
-        view = views.get((ptr, nbytes))
-        if view is None:
-            if len(views) > 2 * len(self._committed) + 2:  # old sizes, after growth
-                views.clear()
-            view = views[ptr, nbytes] = self._new_view(ptr, nbytes)
+        template = views.get((ptr, nbytes))
+        if template is not None:
+            return template._with_owner(self)
+        if len(views) > 2 * len(self._committed) + 2:  # old sizes, after growth
+            views.clear()
+        view = self._new_view(ptr, nbytes)
+        view._pack_versioned()  # as this owner's (read-only or not), then kept ownerless
+        views[ptr, nbytes] = view._with_owner(None)
         return view
 
     def _new_view(self, ptr: int, nbytes: int) -> BufferView:

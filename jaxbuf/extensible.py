@@ -479,7 +479,7 @@ class ExtensibleTensor(SegmentedReservation):
         self._set_ready_event(None)
         # Released, or left to the exports (the anchor holds the buffer; its __del__ runs
         # when the last export goes): either way this handle holds it no more, nor the
-        # views it kept (which refer back to it).
+        # views it kept.
         self._buffer = None
         self._views = None
 

@@ -50,7 +50,8 @@ that jaxbuf (and the host, and torch) may change. What it shows:
   that update a KV cache in place use :class:`jaxbuf.kv.KVCacheStep`; for row writes from
   inside ``jit`` use :mod:`jaxbuf.jax_ops`.
 
-Importing this module needs JAX installed (``ImportError`` naming the extra otherwise).
+Importing this module needs JAX installed (``ImportError`` naming the extra otherwise); it
+imports JAX then, not at the first array.
 """
 
 from __future__ import annotations
@@ -76,8 +77,6 @@ from jaxbuf.uva import UvaBufferPool as _UvaBufferPool
 from jaxbuf.uva import is_uva_available
 
 if TYPE_CHECKING:
-    import jax
-
     from jaxbuf.devices import Device
 
 __all__ = [
@@ -97,7 +96,11 @@ __all__ = [
 ]
 
 # ImportError naming the extra (pip install jaxbuf[jax]) now, rather than at the first array.
+# Then JAX itself, here and not at the first array: a Ctrl-C in the middle of JAX's import
+# (seconds) leaves it half-initialized for the process, which belongs to an import
+# statement, not to a harmless-looking call.
 interop.get("jax")
+import jax  # noqa: E402
 
 
 @functools.cache
@@ -118,9 +121,9 @@ def _no_cpu(owner: object) -> NoReturn:
 class ExtensibleTensor(_ExtensibleTensor):
     """:class:`jaxbuf.ExtensibleTensor` whose views are JAX uint8 arrays.
 
-    The neutral views behind them are kept while their bytes stay the same, so a repeated
-    ``segment_view(i)`` costs one import. They refer back to the handle: a handle dropped
-    without :meth:`free` is collected by the cycle collector (``free()`` breaks the cycle).
+    The neutral views behind them are kept (as templates that refer to no handle) while
+    their bytes stay the same, so a repeated ``segment_view(i)`` costs one import; a handle
+    dropped without :meth:`free` still goes at once.
     """
 
     _reuse_views = True

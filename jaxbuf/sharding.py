@@ -232,6 +232,7 @@ def sharded_jax_array(
                 f"buffers[{i}] has {committed} bytes committed in segment {segment}; a "
                 f"{shard_shape} shard of {dt} needs {nbytes}"
             )
+    # The neutral method: a face's buffer (jaxbuf.torch, jaxbuf.jax) returns framework arrays.
     arrays = [
         # The neutral view, also of a face's tensor (whose segment_view is an array).
         _shard_to_jax(

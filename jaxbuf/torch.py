@@ -40,7 +40,7 @@ A view taken before a grow keeps its size: take ``segment_view(i)`` again after
 same tensor back for the same slot and length.
 
 Importing this module needs torch installed (``ImportError`` naming the extra otherwise); it
-imports torch when the first tensor is made.
+imports torch then, not at the first tensor.
 """
 
 from __future__ import annotations
@@ -66,8 +66,6 @@ from jaxbuf.uva import UvaBufferPool as _UvaBufferPool
 from jaxbuf.uva import is_uva_available
 
 if TYPE_CHECKING:
-    import torch
-
     from jaxbuf.devices import Device
 
 __all__ = [
@@ -87,8 +85,11 @@ __all__ = [
 ]
 
 # ImportError naming the extra (pip install jaxbuf[torch]) now, rather than at the first
-# tensor; loads the adapter without importing torch.
+# tensor. Then torch itself, here and not at the first tensor: a Ctrl-C in the middle of
+# torch's import (seconds) leaves it half-initialized for the process, which belongs to an
+# import statement, not to a harmless-looking call.
 interop.get("torch")
+import torch  # noqa: E402
 
 
 @functools.cache
@@ -100,9 +101,9 @@ def _torch_device(device: Device) -> torch.device:
 class ExtensibleTensor(_ExtensibleTensor):
     """:class:`jaxbuf.ExtensibleTensor` whose views are torch uint8 tensors.
 
-    The neutral views behind them are kept while their bytes stay the same, so a repeated
-    ``segment_view(i)`` costs one import. They refer back to the handle: a handle dropped
-    without :meth:`free` is collected by the cycle collector (``free()`` breaks the cycle).
+    The neutral views behind them are kept (as templates that refer to no handle) while
+    their bytes stay the same, so a repeated ``segment_view(i)`` costs one import; a handle
+    dropped without :meth:`free` still goes at once.
     """
 
     _reuse_views = True

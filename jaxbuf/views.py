@@ -270,6 +270,18 @@ class BufferView:
     def __iter__(self) -> Any:
         raise TypeError(f"'BufferView' object is not iterable: {_NOT_A_TENSOR}")
 
+    def __contains__(self, item: Any) -> bool:
+        # Without it ``in`` falls back to __iter__ and Python replaces that error's message.
+        raise TypeError(f"'BufferView' object does not support 'in': {_NOT_A_TENSOR}")
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        # Without it numpy (and jnp.asarray, through numpy) takes a view for a sequence, as
+        # __len__ and __getitem__ say, and fails naming nothing: say where the arrays are.
+        raise TypeError(
+            "a BufferView does not convert implicitly (np.asarray, np.array, jnp.asarray): "
+            f"take a numpy array of host memory with .to_numpy(); {_NOT_A_TENSOR}"
+        )
+
     # -- reinterpretation -------------------------------------------------------------
     def view(self, dtype: DTypeLike | None = None, shape: Any = None) -> BufferView:
         """The same bytes as another dtype and/or shape (a prefix when smaller).
@@ -398,6 +410,21 @@ class BufferView:
                 "pass 1 for the legacy default stream, 2 for per-thread"
             )
         _order_after_owner(self, stream)
+
+    def _with_owner(self, owner: Any) -> BufferView:
+        """This view (its payloads as packed) owned by ``owner``: no checks, no packing. How
+        an owner's kept template, which refers to no owner, becomes the view it hands out."""
+        view = object.__new__(BufferView)
+        view.ptr = self.ptr
+        view.nbytes = self.nbytes
+        view.dtype = self.dtype
+        view.shape = self.shape
+        view.device = self.device
+        view.owner = owner
+        view.dlpack_device_type = self.dlpack_device_type
+        view._legacy_payload = self._legacy_payload
+        view._versioned_payload = self._versioned_payload
+        return view
 
     def _pack_versioned(self) -> _dlpack.Payload:
         """The versioned payload, packed on first use and kept."""

@@ -218,7 +218,10 @@ class StagedWriteTensor:
                 raise
             ptr = buffer.base_ptr
         self._allocation = _Target(buffer, device, driver)
-        self._view = BufferView(ptr, nbytes, dtype, shape, device, self, driver.dlpack_device_type)
+        view = BufferView(ptr, nbytes, dtype, shape, device, self, driver.dlpack_device_type)
+        view._pack_versioned()  # as this owner's; then kept ownerless, so as to refer to no
+        # handle: a StagedWriteTensor dropped without free() goes at once (no cycle)
+        self._view = view._with_owner(None)
         # What the fused writer's group table needs, and what makes its cache key unique.
         staging.group_entry = (ptr, row_len, dtype.itemsize, num_rows, device)
         self._lifetime = Lifetime(self._allocation)
@@ -395,7 +398,7 @@ class StagedWriteTensor:
         """The target as a DLPack-consumable view (shape ``size``, dtype ``dtype``)."""
         if self._lifetime.anchor is None:
             raise self._freed_error("view its memory")
-        return self._view
+        return self._view._with_owner(self)
 
     def to_torch(self) -> Any:
         """A torch tensor aliasing the target, ordered after the applied writes; it keeps the
