@@ -42,6 +42,8 @@ needs_torch = pytest.mark.skipif(TORCH_REASON is not None, reason=str(TORCH_REAS
 @pytest.fixture
 def jax_device(device):
     """The JAX device of ``device`` (a GPU test skips where JAX has no GPU backend)."""
+    if device == "cpu":
+        return jaxbuf.as_device(device).jax()  # JAX always has its CPU: a failure fails
     try:
         return jaxbuf.as_device(device).jax()
     except (RuntimeError, ValueError) as error:
