@@ -305,3 +305,43 @@ def test_close_closes_every_tensor_through_an_interrupt_and_finishes_next_time()
     finally:
         endpoint.close()
         cache.free()
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 40])
+def test_the_copy_list_of_a_request_matches_a_model(blocks):
+    """The same-host link's list of copies for a request, built in Python for a few pairs
+    and by numpy beyond: every chosen segment of every tensor, segment after segment, block
+    pair after block pair, each at its tensor's block size."""
+    from jaxbuf.transfer._transport import Operation, Request
+
+    caches = [_cache(), _cache()]
+    try:
+        with KVCacheEndpoint("a", caches[0]) as a, KVCacheEndpoint("b", caches[1]) as b:
+            for cache in caches:
+                cache.commit(CAPACITY)
+            link = a.connect(b.metadata()).link
+            rng = np.random.default_rng(blocks)
+            local = rng.integers(0, CAPACITY, blocks).astype(np.int64)
+            remote = rng.integers(0, CAPACITY, blocks).astype(np.int64)
+            positions = tuple(tuple(range(len(side.segments))) for side in a.sides)
+            request = Request(Operation.WRITE, "b", local, remote, positions, b"")
+            here, there, sizes = link._triples(request)
+            expected = []
+            for t, side in enumerate(a.sides):
+                imported = link.imports[t]
+                for p in positions[t]:
+                    there_start = imported.base_ptr + imported.segment_offsets[link.segments[t][p]]
+                    for mine, theirs in zip(local.tolist(), remote.tolist()):
+                        expected.append(
+                            (
+                                side.starts[p] + mine * side.block_bytes,
+                                there_start + theirs * side.block_bytes,
+                                side.block_bytes,
+                            )
+                        )
+            got = list(zip(here.tolist(), there.tolist(), sizes.tolist()))
+            assert got == expected
+            assert here.dtype == there.dtype == sizes.dtype == np.uint64
+    finally:
+        for cache in caches:
+            cache.free()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -52,6 +52,20 @@ def same_host_refusal(address: LocalAddress | None) -> str | None:
     if address.uid != uid:
         return f"it runs as uid {address.uid}, this process as {uid}"
     return None
+
+
+_FEW_PAIRS = 16
+"""Block pairs (of all chosen segments) up to which the copy list is built in Python."""
+
+
+class _Columns(NamedTuple):
+    """The chosen segments of a request: ``rows`` of ``(start here, start there, block
+    size)``, and the same as ``(S, 1)`` int64 columns for numpy."""
+
+    rows: list[tuple[int, int, int]]
+    here: np.ndarray
+    there: np.ndarray
+    sizes: np.ndarray
 
 
 class LocalTransfer(Transfer):
@@ -135,6 +149,7 @@ class SameHostLink(Link):
         self.control = ControlLink(self.address, name, peer, timeout=timeout)
         self.imports: list[ImportedBuffer | None] = [None] * len(layouts)
         self.segments: list[tuple[int, ...]] = []  # per tensor, the import's segments
+        self._column_cache: dict[tuple, _Columns] = {}
         self.starts: list[np.ndarray] = []  # per tensor, each layout segment's address here
         self.aligned = False
         try:
@@ -179,6 +194,7 @@ class SameHostLink(Link):
         finally:
             for _, fds in answer.tensors:
                 self.control.release(fds)  # what was not handed over
+        self._column_cache = {}  # the starts below may change
         self.segments = [self._segments(index, layout) for index, layout in enumerate(layouts)]
         self.starts = [
             np.array([self.imports[index].base_ptr + o for o in layout.segment_offsets], np.int64)  # type: ignore[union-attr]
@@ -254,26 +270,49 @@ class SameHostLink(Link):
             transfer.send_notification()
         return transfer
 
+    def _columns(self, positions: tuple[tuple[int, ...], ...]) -> _Columns:
+        """Per chosen segment of every tensor: where it starts here and there, and its
+        block size; made once per choice of segments (they only change with an update)."""
+        columns = self._column_cache.get(positions)
+        if columns is None:
+            rows = [
+                (side.starts[p], int(starts[p]), side.block_bytes)
+                for side, starts, chosen in zip(self.sides, self.starts, positions)
+                for p in chosen
+            ]
+            array = np.array(rows, np.int64).reshape(-1, 3)
+            columns = _Columns(rows, array[:, 0:1], array[:, 1:2], array[:, 2:3])
+            self._column_cache[positions] = columns
+        return columns
+
     def _triples(self, request: Request) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(addresses here, addresses there, sizes)`` of every block pair in every chosen
-        segment of every tensor, uint64. Adjacent blocks are not merged: the kernel cuts
-        every copy into pieces anyway, and a ``memcpy`` of a run costs what the ``memcpy``
-        of its blocks does."""
-        local_starts, remote_starts, block_sizes = [], [], []
-        for side, starts, positions in zip(self.sides, self.starts, request.positions):
-            for p in positions:
-                local_starts.append(side.starts[p])
-                remote_starts.append(int(starts[p]))
-                block_sizes.append(side.block_bytes)
-        sizes = np.array(block_sizes, np.int64)[:, None]
-        here = np.array(local_starts, np.int64)[:, None] + request.local[None, :] * sizes
-        there = np.array(remote_starts, np.int64)[:, None] + request.remote[None, :] * sizes
-        count = here.size
+        segment of every tensor, uint64, segment after segment. Adjacent blocks are not
+        merged: the kernel cuts every copy into pieces anyway, and a ``memcpy`` of a run
+        costs what the ``memcpy`` of its blocks does. A few pairs are computed in Python:
+        numpy's per-call cost is most of a small request's post."""
+        columns = self._columns(request.positions)
+        local, remote = request.local, request.remote
         # Addresses and offsets are below 2**63 (checked when a peer's layout is decoded).
+        if len(local) * len(columns.rows) <= _FEW_PAIRS:
+            here_ids, there_ids = local.tolist(), remote.tolist()
+            here, there, sizes = [], [], []
+            for start_here, start_there, size in columns.rows:
+                here += [start_here + block * size for block in here_ids]
+                there += [start_there + block * size for block in there_ids]
+                sizes += [size] * len(here_ids)
+            return (
+                np.array(here, np.uint64),
+                np.array(there, np.uint64),
+                np.array(sizes, np.uint64),
+            )
+        here_all = columns.here + local[None, :] * columns.sizes
+        there_all = columns.there + remote[None, :] * columns.sizes
+        count = here_all.size
         return (
-            here.reshape(count).view(np.uint64),
-            there.reshape(count).view(np.uint64),
-            np.broadcast_to(sizes, here.shape).reshape(count).astype(np.uint64),
+            here_all.reshape(count).view(np.uint64),
+            there_all.reshape(count).view(np.uint64),
+            np.repeat(columns.sizes.reshape(-1), len(local)).view(np.uint64),
         )
 
     def notify(self, message: bytes) -> None:
