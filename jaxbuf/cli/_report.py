@@ -19,7 +19,6 @@ RATIO_COLUMN = "jaxbuf ÷ baseline"
 #: Said once above the tables, and in the ratio column's header.
 RATIO_LINE = "Every ratio is jaxbuf ÷ baseline: below 1, jaxbuf is faster (lower is better)."
 INTERPRETER_NOTE = "Triton interpreter figures: they time the interpreter, not jaxbuf"
-_TIME_UNITS = (" ns", " µs", " ms", " s")
 
 
 def _note_parts(row: Any) -> list[str]:
@@ -75,16 +74,12 @@ def measures_jaxbuf(row: Any) -> bool:
     return not (kind in _BASELINE_ONLY_KINDS and kind == baseline_kind(row.baseline_name))
 
 
-def _is_time_target(target: str) -> bool:
-    return any(target.rstrip().endswith(unit) for unit in _TIME_UNITS)
-
-
 def format_spread(row: Any) -> str:
     """``"0.91-1.3x"`` or ``"1.8-2.4 µs"``: the row's spread in its target's unit."""
-    from jaxbuf.bench import format_seconds
+    from jaxbuf.bench import format_seconds, is_time_target
 
     low, high = row.spread
-    if _is_time_target(row.target):
+    if is_time_target(row.target):
         return f"{format_seconds(low)}-{format_seconds(high)}"
     return f"{low:.3g}-{high:.3g}x"
 
@@ -255,7 +250,7 @@ def tally_lines(counts: dict[str, Any], *, strict: bool) -> list[str]:
     """The closing tally: ``"cpu: N targets met, M missed, K not judged here"``, each
     reason for not judging with its count, each missed row, and what the exit status
     makes of a miss."""
-    from jaxbuf.bench import NOT_JUDGED
+    from jaxbuf.bench import NOT_JUDGED, format_seconds, is_time_target
 
     device, missed, reasons = counts["device"], counts["missed"], counts["not_judged"]
     total = sum(reasons.values())
@@ -267,10 +262,8 @@ def tally_lines(counts: dict[str, Any], *, strict: bool) -> list[str]:
         lines.append(f"  {count} {text}")
     for suite_name, row in missed:
         ratio = row.ratio
-        measured = f"{ratio:.3g}x" if ratio is not None and not _is_time_target(row.target) else ""
+        measured = f"{ratio:.3g}x" if ratio is not None and not is_time_target(row.target) else ""
         if not measured:
-            from jaxbuf.bench import format_seconds
-
             measured = format_seconds(row.median_s) if row.median_s is not None else row.value
         lines.append(f"  missed: {suite_name}: {row.name}: {measured}, target {row.target}")
     if missed:
