@@ -78,7 +78,9 @@ def _run_decode(device):
             expected = _reference(model, block_table, table["length"].np, new_kv, [0.5, 0.25])
             np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-5)
         assert grows == 3 and kv.num_blocks_committed == next_page == 7
-        assert step.compiled() in (None, 1)  # one compiled step across the grows
+        # One compiled step per bucket the grows crossed (3 -> 4 blocks, 5 and 7 -> 8), one in
+        # place over the capacity.
+        assert step.compiled() in (None, 1 if step.in_place else 2)
         assert table.arrays("jax") is params
         # The cache's memory holds every K/V written, block by block.
         (view,) = kv.committed_views(0, "float32", (BLOCK, 2, HEAD))
@@ -128,7 +130,7 @@ def test_the_step_checks_what_fn_returns_and_refuses_once_closed():
 @pytest.mark.parametrize(
     "wrong, error, message",
     [
-        (lambda c: c[:1], ValueError, r"caches\[1\] of shape \(1, 128\); the buffer holds"),
+        (lambda c: c[:1], ValueError, r"caches\[1\] of shape \(1, 128\); it was passed \(8, 128\)"),
         (lambda c: c.astype(jnp.float16), TypeError, r"caches\[1\] of dtype float16"),
         (lambda c: c.T, ValueError, r"caches\[1\] of shape \(128, 8\)"),
         (lambda c: c.reshape(-1), ValueError, r"caches\[1\] of shape \(1024,\)"),
