@@ -166,21 +166,21 @@ class KVCacheStep:
         self._arrays = arrays
         self._jit_options = _checked_jit_options(fn, jit_options, self.in_place)
         self._jitted: dict[int, Any] = {}
+        # Each segment plane, in the order of the outputs: the array holding it, its start
+        # in the buffer, its index in the array and its block's bytes (the write-back's copies).
+        planes = [(i, p, array) for i, array in enumerate(arrays) for p in range(array.planes)]
+        capacity = kv.num_blocks_capacity
+        self._plane_array = np.array([i for i, _, _ in planes], np.intp)
         self._destinations = np.array(
-            [
-                array.view.ptr + plane * kv.num_blocks_capacity * array.block_bytes
-                for array in arrays
-                for plane in range(array.planes)
-            ],
+            [array.view.ptr + p * capacity * array.block_bytes for _, p, array in planes],
             np.uint64,
         )
-        self._plane_bytes = np.array(
-            [array.block_bytes for array in arrays for _ in range(array.planes)], np.uint64
-        )
-        self._plane_index = np.array(
-            [plane for array in arrays for plane in range(array.planes)], np.uint64
-        )
-        self._planes = np.array([array.planes for array in arrays])
+        self._plane_index = np.array([p for _, p, _ in planes], np.uint64)
+        self._plane_bytes = np.array([array.block_bytes for _, _, array in planes], np.uint64)
+        # Per committed count: each plane's offset in its output, and its bytes to copy.
+        self._copy_plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._shapes: dict[int, list[tuple[int, ...]]] = {}
+        self._numpy_dtype = arrays[0].view.dtype.numpy  # one dtype for every array
         self._jitted_for(self.blocks)  # a bad jit option raises here, not at the first step
         self._caches: list[Any] | None = [array.view.to_jax() for array in arrays]
         self._checked = False
@@ -289,18 +289,21 @@ class KVCacheStep:
         scramble)."""
         if len(updated) != len(self._arrays):
             raise ValueError(f"fn returned {len(updated)} caches, expected {len(self._arrays)}")
-        for i, (array, cache) in enumerate(zip(updated, self._arrays)):
+        shapes = self._shapes.get(blocks)
+        if shapes is None:
+            shapes = self._shapes[blocks] = [array.shape(blocks) for array in self._arrays]
+        for i, (array, expected) in enumerate(zip(updated, shapes)):
             shape, dtype = getattr(array, "shape", None), getattr(array, "dtype", None)
             if shape is None or dtype is None or not hasattr(array, "unsafe_buffer_pointer"):
                 raise TypeError(f"fn returned caches[{i}] = {array!r}, not a JAX array")
-            expected = cache.shape(blocks)
-            if tuple(shape) != expected:
+            if shape != expected:
                 raise ValueError(
                     f"fn returned caches[{i}] of shape {tuple(shape)}; it was passed {expected}"
                 )
-            if dtype != cache.view.dtype.numpy:
+            if dtype != self._numpy_dtype:
                 raise TypeError(
-                    f"fn returned caches[{i}] of dtype {dtype}; the buffer holds {cache.view.dtype}"
+                    f"fn returned caches[{i}] of dtype {dtype}; the buffer holds "
+                    f"{self._arrays[i].view.dtype}"
                 )
             if not layout:
                 continue
@@ -331,12 +334,13 @@ class KVCacheStep:
         import jax
 
         jax.block_until_ready(updated)
-        sources = np.repeat(
-            np.array([output.unsafe_buffer_pointer() for output in updated], np.uint64),
-            self._planes,
-        )
-        sources += self._plane_index * np.uint64(blocks) * self._plane_bytes
-        sizes = self._plane_bytes * np.uint64(committed)
+        plan = self._copy_plans.get(committed)
+        if plan is None:
+            offsets = self._plane_index * np.uint64(blocks) * self._plane_bytes
+            plan = self._copy_plans[committed] = (offsets, self._plane_bytes * np.uint64(committed))
+        offsets, sizes = plan
+        pointers = np.array([output.unsafe_buffer_pointer() for output in updated], np.uint64)
+        sources = pointers[self._plane_array] + offsets
         view = self._arrays[0].view
         driver, index = view.owner.driver, view.device.index
         event = driver.copy_batch(self._destinations, sources, sizes, index)
