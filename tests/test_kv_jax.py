@@ -15,6 +15,14 @@ jnp = jax.numpy
 
 from jaxbuf.kv import KVCacheStep, donation_in_place  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _no_debug_from_the_environment(monkeypatch):
+    """These tests say when they want debug mode: a JAXBUF_DEBUG set for the run would
+    change the blocks and executables they count."""
+    monkeypatch.delenv("JAXBUF_DEBUG", raising=False)
+
+
 SEQS, BLOCK, HEAD, CAPACITY = 2, 4, 16, 8  # tokens per block, head size, blocks
 MAX_TOKENS = 12  # per sequence: three blocks each, plus block 0 as scratch = 7 blocks
 

@@ -18,6 +18,14 @@ jnp = jax.numpy
 
 from jaxbuf.kv import KVCacheStep  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _no_debug_from_the_environment(monkeypatch):
+    """These tests say when they want debug mode: a JAXBUF_DEBUG set for the run would
+    change the blocks and executables they count."""
+    monkeypatch.delenv("JAXBUF_DEBUG", raising=False)
+
+
 CAPACITY = 16  # blocks: buckets 1, 2, 4, 8, 16
 LAYERS, TOKENS, HEADS, DIM = 2, 2, 2, 4  # segment_shape (LAYERS, 2); a block (TOKENS, HEADS, DIM)
 SEGMENTS = LAYERS * 2
@@ -69,15 +77,23 @@ LAYOUTS = {"per_segment": (_per_segment_fn, {}), "nd": (_nd_fn, {"segment_shape"
 
 
 def _held(kv):
-    """The committed blocks as numpy: [tensor][segment] -> (committed, *BLOCK)."""
+    """The committed blocks, read through fresh JAX imports (host or device memory):
+    [tensor][segment] -> (committed, *BLOCK)."""
     return np.stack(
         [
-            np.stack(
-                [np.from_dlpack(v, copy=True) for v in kv.committed_views(t, "float32", BLOCK)]
-            )
+            np.stack([np.array(v.to_jax()) for v in kv.committed_views(t, "float32", BLOCK)])
             for t in range(TENSORS)
         ]
     )
+
+
+def _write_block(view, block, value):
+    """Write ``value`` into ``block`` of ``view`` from outside the step, as torch or a
+    transfer would: a driver copy from host memory, finished before the next step."""
+    value = np.ascontiguousarray(value, np.float32)
+    driver, index = view.owner.driver, view.device.index
+    driver.copy(view.ptr + int(block) * BLOCK_BYTES, value.ctypes.data, BLOCK_BYTES, index)
+    driver.synchronize(index)
 
 
 def _random_slots(rng, committed, count, distinct=True):
@@ -122,13 +138,7 @@ def test_steps_match_a_numpy_model_across_commits_releases_and_outside_writes(de
                 t, s = rng.integers(TENSORS), rng.integers(SEGMENTS)
                 block = rng.integers(committed)
                 value = rng.standard_normal(BLOCK).astype(np.float32)
-                view = kv.committed_views(int(t), "float32", BLOCK)[s]
-                if device == "cpu":
-                    np.from_dlpack(view)[block] = value
-                else:
-                    import torch
-
-                    view.to_torch()[block] = torch.from_numpy(value).to(view.to_torch().device)
+                _write_block(kv.committed_views(int(t), "float32", BLOCK)[s], block, value)
                 model[t, s, block] = value
             elif committed:
                 blocks, tokens = _random_slots(rng, committed, WRITES)
@@ -220,34 +230,44 @@ def _writes_and_reads(caches, write_block, read_block):
     [(1, 5), (5, 1), (6, 6)],
     ids=["uncommitted-read", "uncommitted-write", "both"],
 )
-def test_debug_mode_raises_on_an_uncommitted_block_and_keeps_the_cache(write_block, read_block):
+def test_debug_mode_raises_on_an_uncommitted_block_and_keeps_the_cache(
+    device, write_block, read_block
+):
     """Debug mode: a read or write of an uncommitted block raises ``IndexError`` naming the
     step and the committed count, and the step's writes to committed blocks are not copied
-    back (without it, on the CPU, the read returns zeros and the write is dropped)."""
-    kv = _cache()
-    kv.commit(5)  # bucket 8: blocks 5..7 are in the arrays without debug mode
-    quiet = KVCacheStep(kv, _writes_and_reads, "float32", BLOCK, segment_shape=(2, 2))
+    back (without it, on the CPU, the read returns zeros and the write is dropped). On a GPU
+    debug mode copies back too, over exactly the committed blocks."""
+    _skip_without_jax_gpu(device)
+    kv = _cache(device)
+    kv.commit(5)  # bucket 8 on the CPU: blocks 5..7 are in the arrays without debug mode
     strict = KVCacheStep(kv, _writes_and_reads, "float32", BLOCK, segment_shape=(2, 2), debug=True)
+    quiet = None
     try:
-        np.from_dlpack(kv.committed_views(0, "float32", BLOCK)[0])[:] = 3.0
+        for block in range(5):
+            _write_block(kv.committed_views(0, "float32", BLOCK)[0], block, np.full(BLOCK, 3.0))
         before = _held(kv)
-        assert strict.debug and strict.blocks == 5 and quiet.blocks == 8
+        assert strict.debug and strict.blocks == 5 and strict.in_place is False
         with pytest.raises(IndexError, match=r"KVCacheStep\(_writes_and_reads\).* 5 blocks"):
             strict(write_block, read_block)
         np.testing.assert_array_equal(_held(kv), before)  # nothing copied back
-        # Without debug mode the CPU reads zeros there and drops the write.
-        out = quiet(write_block, read_block)
+        strict(2, 3)  # a step within the committed blocks runs and copies back
         expected = before.copy()
+        expected[0, 0, 2, 0] = 7.0
+        np.testing.assert_array_equal(_held(kv), expected)
+        if device != "cpu":
+            return  # without debug mode a GPU faults on such a read
+        # Without debug mode the CPU reads zeros there and drops the write.
+        quiet = KVCacheStep(kv, _writes_and_reads, "float32", BLOCK, segment_shape=(2, 2))
+        assert quiet.blocks == 8
+        before = expected.copy()
+        out = quiet(write_block, read_block)
         if write_block < 5:
             expected[0, 0, write_block, 0] = 7.0
         np.testing.assert_array_equal(_held(kv), expected)
         assert float(out) == (0.0 if read_block >= 5 else float(before[0, 0, read_block].sum()))
-        # A step within the committed blocks runs in debug mode too.
-        strict(2, 3)
-        expected[0, 0, 2, 0] = 7.0
-        np.testing.assert_array_equal(_held(kv), expected)
     finally:
-        quiet.close()
+        if quiet is not None:
+            quiet.close()
         strict.close()
         kv.free()
 
@@ -288,7 +308,8 @@ def test_debug_mode_compiles_once_per_committed_count():
 # -- jit options ---------------------------------------------------------------------------
 
 
-def test_jit_options_reach_jax_jit_and_keywords_reach_fn():
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+def test_jit_options_reach_jax_jit_and_keywords_reach_fn(debug):
     kv = _cache()
     kv.commit(4)
     calls = []
@@ -299,16 +320,17 @@ def test_jit_options_reach_jax_jit_and_keywords_reach_fn():
         cache = caches[0].at[0, 0, 1, 0, 0, :].set(ones[:DIM] * scale)
         return [cache, *caches[1:]], (extra * 2, ones.sum())
 
+    common = {"segment_shape": (2, 2), "debug": debug}
     try:
         step = KVCacheStep(
             kv,
             fn,
             "float32",
             BLOCK,
-            segment_shape=(2, 2),
             static_argnums=1,
             donate_argnums=2,
             compiler_options={},
+            **common,
         )
         extra = jnp.arange(4.0)
         (doubled, total) = step(5, extra, scale=3.0)
@@ -319,13 +341,11 @@ def test_jit_options_reach_jax_jit_and_keywords_reach_fn():
         step(5, jnp.arange(4.0), scale=1.0)
         step(6, jnp.arange(4.0))
         assert calls == [5, 6] and step.compiled() == 2  # one trace per static value
-        by_name = KVCacheStep(
-            kv, fn, "float32", BLOCK, segment_shape=(2, 2), static_argnames="width"
-        )
+        by_name = KVCacheStep(kv, fn, "float32", BLOCK, static_argnames="width", **common)
         by_name(width=4, extra=jnp.zeros(2))
         cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
         sharded = KVCacheStep(
-            kv, fn, "float32", BLOCK, segment_shape=(2, 2), static_argnums=1, out_shardings=cpu
+            kv, fn, "float32", BLOCK, static_argnums=1, out_shardings=cpu, **common
         )
         assert sharded(4, jnp.zeros(2))[0].sharding == cpu
     finally:
