@@ -455,3 +455,35 @@ def test_a_face_builders_cache_runs_a_step(face, layout):
     finally:
         step.close()
         kv.free()
+
+
+# -- failures ------------------------------------------------------------------------------
+
+
+def test_a_failed_write_back_raises_and_the_step_stays_usable():
+    """The driver's batched copy failing: the step raises the driver's error, the cache
+    keeps the values it held (the copy did not start), and the next step works."""
+    from jaxbuf.drivers import get_vmm_driver
+    from jaxbuf.drivers.base import DriverError
+    from jaxbuf.testing import FaultInjectingDriver
+
+    driver = FaultInjectingDriver(get_vmm_driver("cpu"))
+    builder = ExtensibleKVCacheBuilder(CAPACITY, "cpu", driver=driver)
+    for _ in range(TENSORS):
+        builder.reserve(CAPACITY * BLOCK_BYTES * SEGMENTS, SEGMENTS)
+    kv = builder.finish()
+    kv.commit(3)
+    step = KVCacheStep(
+        kv, lambda caches, v: ([c + v for c in caches], 0), "float32", BLOCK, segment_shape=(2, 2)
+    )
+    try:
+        step(1.0)
+        driver.fail_on("copy_batch")
+        with pytest.raises(DriverError):
+            step(10.0)
+        np.testing.assert_array_equal(_held(kv), np.ones((TENSORS, SEGMENTS, 3, *BLOCK)))
+        step(2.0)
+        np.testing.assert_array_equal(_held(kv), np.full((TENSORS, SEGMENTS, 3, *BLOCK), 3.0))
+    finally:
+        step.close()
+        kv.free()
