@@ -112,7 +112,8 @@ class KVCacheStep:
       ``num_blocks_committed`` (at least 1, at most the capacity), which XLA copies into the
       outputs, and after the step each segment's committed blocks are copied back (one
       batched copy through the driver): about twice the committed bytes per step, whatever
-      the capacity. One executable per bucket: at most ``ceil(log2(capacity)) + 1``.
+      the capacity. One executable per bucket (and argument signature): at most
+      ``ceil(log2(capacity)) + 1`` buckets.
 
     Debug mode (``debug=True``, or ``JAXBUF_DEBUG`` set when ``debug`` is None) is as strict
     on the CPU as a GPU, at a cost: ``blocks`` is exactly ``num_blocks_committed`` on every
