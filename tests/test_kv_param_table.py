@@ -473,3 +473,17 @@ def test_a_closed_tables_mapping_raises():
     with pytest.raises(ClosedError, match="DeviceParamTable has been closed"):
         params["temperature"]
     assert "closed" in repr(params)
+
+
+def test_a_field_with_a_width_reaches_each_framework_as_rows(device, framework):
+    """A ``(dtype, width)`` field is a ``(num_rows, width)`` array in torch (over the device
+    table) and in JAX (the last sync's values), row-major as the host column."""
+    with DeviceParamTable(3, {"blocks": ("int32", 4), "length": "int32"}, device) as table:
+        table["blocks"].np = np.arange(12).reshape(3, 4)
+        table["length"].np = [1, 2, 3]
+        table.sync()
+        arrays = table.arrays(framework)
+        blocks = arrays["blocks"]
+        assert tuple(blocks.shape) == (3, 4)
+        host = blocks.cpu().numpy() if framework == "torch" else np.asarray(blocks)
+        np.testing.assert_array_equal(host, np.arange(12).reshape(3, 4))
