@@ -487,3 +487,19 @@ def test_a_field_with_a_width_reaches_each_framework_as_rows(device, framework):
         assert tuple(blocks.shape) == (3, 4)
         host = blocks.cpu().numpy() if framework == "torch" else np.asarray(blocks)
         np.testing.assert_array_equal(host, np.arange(12).reshape(3, 4))
+
+
+def test_a_table_without_jax_never_imports_jax():
+    """The JAX wing is imported on the first ``arrays("jax")`` only: a torch-only (or numpy)
+    user syncing and reading fields never loads JAX."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, jaxbuf\n"
+        "t = jaxbuf.DeviceParamTable(4, {'a': 'float32', 'b': ('int32', 3)}, 'cpu')\n"
+        "t['b'].np = 2; t.sync(); t.arrays('numpy'); t['b'].gpu.to_numpy(); t.close()\n"
+        "assert 'jax' not in sys.modules and 'jaxbuf.kv._jax_table' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
