@@ -26,16 +26,16 @@ JAX treats an array as an immutable value; an array from this face is a window o
 that jaxbuf (and the host, and torch) may change. What it shows:
 
 * **Taken after a change, it shows the change.** An array taken (``segment_view(i)``,
-  ``gpu``, ``copy_to_uva(x)``, ``table[name].gpu``, ...) after a write has completed reads
-  the written bytes: jaxbuf's own producer work (a zeroing grow, ``apply_write``,
-  ``DeviceParamTable.sync``) is ordered before the array's consumer stream at import; a
-  write by the host (``np``) or by torch must be finished before the array is taken (on a
-  GPU: synchronize torch's stream first; jaxbuf cannot order JAX after torch's stream).
+  ``gpu``, ``copy_to_uva(x)``, ...) after a write has completed reads the written bytes:
+  jaxbuf's own producer work (a zeroing grow, ``apply_write``) is ordered before the
+  array's consumer stream at import; a write by the host (``np``) or by torch must be
+  finished before the array is taken (on a GPU: synchronize torch's stream first; jaxbuf
+  cannot order JAX after torch's stream).
 * **Taken before a change, only computations see the change.** A computation dispatched
   after the write has completed (a ``jax.jit`` step, any device op) reads the memory when it
   runs, so it reads the written bytes: that is how an array imported once serves every step
-  (``DeviceParamTable.arrays``, ``UvaBuffer.jax_device_array``). A computation dispatched
-  before the write may read either. The array's *host value* (``np.asarray``, printing,
+  (``UvaBuffer.jax_device_array``). A computation dispatched before the write may read
+  either. The array's *host value* (``np.asarray``, printing,
   ``.tolist()``) may be a copy JAX made at an earlier read (on a GPU it is cached): read
   values on the host from an array taken after the write. A pool slot is written again
   ``max_concurrency`` calls later, which is why the pools import afresh on every call.
@@ -43,6 +43,10 @@ that jaxbuf (and the host, and torch) may change. What it shows:
   changes committed bytes, so an array taken before keeps its shape (the committed prefix
   then) and its values; the grown bytes are seen by a segment view taken after the grow.
   ``full_view()`` spans the whole reservation, but only committed bytes may be touched.
+* **A parameter table hands out values, not windows.** ``DeviceParamTable``'s
+  ``table[name].gpu`` and ``arrays("jax")`` are JAX arrays of the last ``sync``'s values,
+  JAX's own and immutable: a step in flight keeps the values it was dispatched with, and
+  the next access after a changed sync returns new arrays.
 * **A release invalidates everything.** After ``release_physical()`` no array taken before
   may be read or written; ``free()`` leaves arrays valid (they keep the memory alive).
 * **Never donate** an array of this face to a ``jax.jit`` step (``donate_argnums``): JAX
@@ -275,13 +279,14 @@ class ExtensibleKVCacheBuilder(_ExtensibleKVCacheBuilder):
 
 
 class DeviceParamTable(_DeviceParamTable):
-    """:class:`jaxbuf.DeviceParamTable` whose fields' ``gpu`` are JAX arrays, imported afresh
-    on every access (take them after :meth:`sync`; :meth:`arrays` holds imports for a jitted
-    step that reads the device table in place)."""
+    """:class:`jaxbuf.DeviceParamTable` whose fields' ``gpu`` are JAX arrays holding the
+    values of the last :meth:`sync` (``arrays("jax")[name]``: immutable, the same array
+    until the next changed sync; take them after it)."""
 
     def __getitem__(self, name: str) -> ParamField:
         field = super().__getitem__(name)
-        return ParamField(field.name, field.dtype, field.offset, field.np, field.gpu.to_jax())
+        gpu = self.arrays("jax")[name]
+        return ParamField(field.name, field.dtype, field.offset, field.np, gpu)
 
     @property
     def fields(self) -> dict[str, ParamField]:

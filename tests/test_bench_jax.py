@@ -369,15 +369,29 @@ def test_torch_decode_suite_rows(monkeypatch):
 @needs_jax
 def test_param_table_rows():
     """kv.param_table: unchanged and changed steps, each against the seed's per-field copies
-    (the target) and jax.device_put (for comparison), from the same rounds."""
+    (the target) and jax.device_put (for comparison), from the same rounds; then a changed
+    sync plus the JAX arrays of its values against jnp.asarray of the same bytes, beside
+    10,000 live arrays and beside a long matmul in flight."""
     suite = load_suites()["kv.param_table"]
     rows = [row for row in suite.run(as_device("cpu"), True) if isinstance(row, Row)]
+    rows, jax_rows = rows[:4], rows[4:]
     assert [(row.params["step"], row.params["kind"]) for row in rows] == [
         ("unchanged", "param-table-seed"),
         ("unchanged", "param-table-device-put"),
         ("changed", "param-table-seed"),
         ("changed", "param-table-device-put"),
     ]
+    assert [(row.params["kind"], row.params["fields"]) for row in jax_rows] == [
+        ("param-table-jax-live-arrays", 1),
+        ("param-table-jax-live-arrays", 8),
+        ("param-table-jax-matmul-in-flight", 1),
+        ("param-table-jax-matmul-in-flight", 8),
+    ]
+    for row in jax_rows:
+        assert row.target == "<= 2x plain JAX jnp.asarray" and row.limit == 2.0
+        assert row.baseline_name.startswith("plain JAX jnp.asarray")
+        assert row.median_s > 0 and row.baseline_median_s > 0
+    assert all(0 <= row.params["in_flight"] <= 1 for row in jax_rows[2:])
     for row in rows:
         assert row.median_s > 0 and row.baseline_median_s > 0
         low, high = row.spread

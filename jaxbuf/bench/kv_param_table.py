@@ -18,6 +18,20 @@ steps' uploads then one wait for the device (every copy done), divided by ``_CAL
 host's enqueueing and the device's copies both count. Samples are taken round by round
 (:func:`~jaxbuf.bench._timing.round_by_round_samples`); ratios are medians with their
 paired spread.
+
+**JAX rows**: a changed sync plus the next access to ``arrays("jax")`` (every field's array,
+as a jitted step's argument flattening takes them: the new values uploaded) against a plain
+``jnp.asarray`` of the same bytes (the whole table as one array), for a table of one field
+and of all eight, under two loads that a sync used to wait for:
+
+* **10,000 live JAX arrays** in the process (a sync used to ``block_until_ready`` each).
+  A sample is ``_CALLS`` calls then one wait for the last arrays, as above.
+* **a long matmul in flight** (4096 x 4096 float32; 2048 at ``--quick``), dispatched just
+  before each round. A sample is ``_MATMUL_CALLS`` calls, host time only (a wait would wait
+  for the matmul, whatever the calls did): few, because JAX's CPU client holds a bounded
+  number of operations in flight and blocks the next one (a ``jnp.asarray`` as well) until
+  the matmul is done; ``params["in_flight"]`` is the share of rounds whose matmul was still
+  running when both samples were done (1.0: every sample ran beside it).
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ FIELDS = {
     "seed": "int64",
 }
 _CALLS = 20  # uploads per sample, then one wait for the device
+_MATMUL_CALLS = 5  # per sample beside a long matmul: well inside JAX's in-flight bound
 # An unchanged step copies nothing: at most a quarter of what the seed's copies cost, on any
 # device (judged on the CPU too).
 _UNCHANGED_TARGET = 0.25
@@ -48,6 +63,13 @@ _UNCHANGED_TARGET = 0.25
 _CHANGED_TARGET = 1.0
 _SEED = "seed-style per-step copy (a pinned UvaBackedTensor per field)"
 _DEVICE_PUT = "jax.device_put of every field per step"
+# A changed sync and the JAX arrays of its values, against one plain upload of the same bytes.
+_JAX_TARGET = 2.0
+_ASARRAY = "plain JAX jnp.asarray of the whole table's bytes (one array)"
+_LIVE_ARRAYS = 10_000
+# JAX without jax_enable_x64 holds no 64-bit values (arrays("jax") refuses an int64 field
+# rather than narrow it): the seed is 32 bits there, as JAX's own PRNG seeds are.
+_JAX_FIELDS = {**FIELDS, "seed": "uint32"}
 
 
 class _SeedStyle:
@@ -163,6 +185,7 @@ def param_table_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
     finally:
         seed.close()
         table.close()
+    yield from _jax_rows(device, quick, num_rows, repeat)
 
 
 def _rows(samples: dict[str, list[float]], device: Any) -> Iterator[Row]:
@@ -175,8 +198,7 @@ def _rows(samples: dict[str, list[float]], device: Any) -> Iterator[Row]:
         if step == "changed" and not device.is_cuda:
             not_here = (
                 "a GPU target: on the CPU a host-to-device copy is a memcpy of a few KiB "
-                "that costs what the comparison does, and a changed step's upload first "
-                "waits for JAX's pending work, which a GPU's stream order replaces"
+                "that costs what the comparison does"
             )
         what = (
             "compares the host table with the last upload and copies nothing"
@@ -205,4 +227,142 @@ def _rows(samples: dict[str, list[float]], device: Any) -> Iterator[Row]:
             notes="JAX's transfers, new device arrays every step",
             spread=ratio_spread(mine, samples[f"{step} put"], paired=True),
             params={**common, "kind": "param-table-device-put"},
+        )
+
+
+def _jax_rows(device: Any, quick: bool, num_rows: int, repeat: int) -> Iterator[Row]:
+    """A changed sync plus the next ``arrays("jax")`` access against ``jnp.asarray`` of the
+    same bytes, with 10,000 live JAX arrays, then with a long matmul in flight."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxbuf import DeviceParamTable
+
+    tables = {
+        count: DeviceParamTable(num_rows, dict(list(_JAX_FIELDS.items())[:count]), device)
+        for count in (1, len(_JAX_FIELDS))
+    }
+    try:
+        cases = {count: _JaxCase(table) for count, table in tables.items()}
+        for case in cases.values():
+            case.warm()
+        live = [jnp.zeros(1) + i for i in range(_LIVE_ARRAYS)]
+        jax.block_until_ready(live)
+        for case in cases.values():
+            calls = {"sync": case.changed_sync, "asarray": case.asarray}
+            sampled = {
+                label: _sampled(call, jax.block_until_ready) for label, call in calls.items()
+            }
+            samples = {
+                label: [s / _CALLS for s in times]
+                for label, times in round_by_round_samples(sampled, repeat).items()
+            }
+            yield case.row(samples, f"{_LIVE_ARRAYS:,} live JAX arrays", "live-arrays")
+        del live
+        size = 2048 if quick else 4096
+        matrix = jnp.full((size, size), 1e-3, jnp.float32)
+        matmul = jax.jit(lambda a: a @ a)
+        matmul(matrix).block_until_ready()
+        rounds = 10 if quick else 20
+        for case in cases.values():
+            samples, in_flight = case.with_matmul(matmul, matrix, rounds)
+            load = f"a {size}x{size} float32 matmul in flight"
+            yield case.row(
+                samples, load, "matmul-in-flight", in_flight=in_flight, calls=_MATMUL_CALLS
+            )
+    finally:
+        for table in tables.values():
+            table.close()
+
+
+class _JaxCase:
+    """One table's changed sync + JAX access, and the plain ``jnp.asarray`` of its bytes."""
+
+    def __init__(self, table: Any) -> None:
+        import numpy as np
+
+        self.table = table
+        self.params = table.arrays("jax")
+        self.first = table[next(iter(table))].np
+        self.plain = np.zeros(table.nbytes, np.uint8)  # the same bytes, for jnp.asarray
+
+    def changed_sync(self) -> Any:
+        import jax
+
+        self.first[0] = 1 - self.first[0]  # a request admitted: a value changes
+        self.table.sync()
+        return jax.tree_util.tree_leaves(self.params)  # what a jitted step's argument takes
+
+    def asarray(self) -> Any:
+        import jax.numpy as jnp
+
+        self.plain[0] ^= 1
+        return jnp.asarray(self.plain)
+
+    def warm(self) -> None:
+        import jax
+
+        for _ in range(3):
+            jax.block_until_ready(self.changed_sync())
+            jax.block_until_ready(self.asarray())
+
+    def with_matmul(
+        self, matmul: Callable[[Any], Any], matrix: Any, rounds: int
+    ) -> tuple[dict[str, list[float]], float]:
+        """Per round: the matmul dispatched, then ``_MATMUL_CALLS`` calls of each (host time,
+        in an order reversed every other round); then the share of rounds it was still
+        running."""
+        import time
+
+        import jax
+
+        calls = {"sync": self.changed_sync, "asarray": self.asarray}
+        samples: dict[str, list[float]] = {label: [] for label in calls}
+        running = 0
+        for i in range(rounds):
+            product = matmul(matrix)
+            outputs = []
+            for label in calls if i % 2 == 0 else reversed(list(calls)):
+                call = calls[label]
+                start = time.perf_counter()
+                for _ in range(_MATMUL_CALLS):
+                    outputs.append(call())
+                samples[label].append((time.perf_counter() - start) / _MATMUL_CALLS)
+            running += not product.is_ready()
+            jax.block_until_ready((product, outputs))
+        return samples, running / rounds
+
+    def row(
+        self,
+        samples: dict[str, list[float]],
+        load: str,
+        kind: str,
+        calls: int = _CALLS,
+        **extra: Any,
+    ) -> Row:
+        import statistics
+
+        mine, plain = statistics.median(samples["sync"]), statistics.median(samples["asarray"])
+        fields = len(self.table)
+        return Row(
+            f"param table changed sync + arrays('jax'), {fields} field(s), {load} (jaxbuf)",
+            mine,
+            _ASARRAY,
+            plain,
+            notes=(
+                "DeviceParamTable.sync (one copy into the device table, no wait for JAX), "
+                "then every field's JAX array of the new values: one jitted transfer-and-slice "
+                "dispatch from an immutable snapshot"
+            ),
+            target=f"<= {_JAX_TARGET:g}x plain JAX jnp.asarray",
+            met=mine <= _JAX_TARGET * plain,
+            limit=_JAX_TARGET,
+            spread=ratio_spread(samples["sync"], samples["asarray"], paired=True),
+            params={
+                "kind": f"param-table-jax-{kind}",
+                "fields": fields,
+                "table_bytes": self.table.nbytes,
+                "calls_per_sample": calls,
+                **extra,
+            },
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -35,14 +36,17 @@ FIELD_ALIGNMENT = 64
 
 
 class ParamField:
-    """One column of a :class:`DeviceParamTable`: ``np`` (``num_rows`` host values, the
-    source of truth, written freely) and ``gpu`` (a :class:`~jaxbuf.BufferView` of the same
-    column in device memory: what the last :meth:`DeviceParamTable.sync` uploaded).
+    """One column of a :class:`DeviceParamTable`: ``np`` (the host values, the source of
+    truth, written freely) and ``gpu`` (a :class:`~jaxbuf.BufferView` of the same column in
+    device memory: what the last :meth:`DeviceParamTable.sync` uploaded). Both have
+    :attr:`shape`: ``(num_rows,)``, or ``(num_rows, width)`` for a field given a width
+    (row-major: a request's row is contiguous).
 
     ``np`` is always the table's own column: ``field.np = values`` writes ``values`` into it
-    (as ``field.np[:] = values`` does; ``ValueError`` naming the field for values of another
-    length), so the next :meth:`~DeviceParamTable.sync` uploads them; it never rebinds the
-    name to an array the table does not see. ``gpu`` cannot be rebound."""
+    (as ``field.np[...] = values`` does: an array of :attr:`shape` or a scalar; ``ValueError``
+    naming the field for any other shape), so the next :meth:`~DeviceParamTable.sync`
+    uploads them; it never rebinds the name to an array the table does not see. ``gpu``
+    cannot be rebound."""
 
     __slots__ = ("name", "dtype", "offset", "_np", "_gpu")
 
@@ -62,19 +66,27 @@ class ParamField:
             return  # field.np += 1 rebinds the column to itself
         array = np.asarray(values)
         if array.shape not in ((), host.shape):
-            raise ValueError(
-                f"field {self.name!r} holds {len(host)} values; got an array of shape {array.shape}"
+            held = (
+                f"{len(host)} values"
+                if host.ndim == 1
+                else f"{host.shape[0]} rows of {host.shape[1]} values"
             )
-        host[:] = array
+            raise ValueError(
+                f"field {self.name!r} holds {held}; got an array of shape {array.shape}"
+            )
+        host[...] = array
 
     @property
     def gpu(self) -> BufferView:
         return self._gpu
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``(num_rows,)``, or ``(num_rows, width)`` for a field given a width."""
+        return self._np.shape
+
     def __repr__(self) -> str:
-        return (
-            f"ParamField({self.name!r}, {self.dtype}, rows={len(self._np)}, offset={self.offset})"
-        )
+        return f"ParamField({self.name!r}, {self.dtype}, shape={self.shape}, offset={self.offset})"
 
 
 class _TableOwner:
@@ -127,9 +139,10 @@ class _StagingSlot(PinnedSlot):
         self.host = None if self.buffer is None else self.buffer.np
 
 
-def _check_fields(fields: Any) -> list[tuple[str, DType]]:
-    """``[(name, DType)]`` from a mapping or a sequence of pairs; ValueError naming a bad or
-    repeated name or an unknown dtype."""
+def _check_fields(fields: Any) -> list[tuple[str, DType, tuple[int, ...]]]:
+    """``[(name, DType, row_shape)]`` from a mapping or a sequence of pairs, each value a
+    dtype (``row_shape`` ``()``) or a ``(dtype, width)`` pair (``(width,)``); ValueError
+    naming a bad or repeated name, an unknown dtype or a width that is not a positive int."""
     items = fields.items() if isinstance(fields, Mapping) else fields
     if isinstance(items, (str, bytes)):
         raise TypeError(f"fields must map names to dtypes, got {fields!r}")
@@ -137,17 +150,28 @@ def _check_fields(fields: Any) -> list[tuple[str, DType]]:
         pairs = [tuple(item) for item in items]
     except TypeError:
         raise TypeError(f"fields must map names to dtypes, got {fields!r}") from None
-    checked: list[tuple[str, DType]] = []
+    checked: list[tuple[str, DType, tuple[int, ...]]] = []
     for pair in pairs:
         if len(pair) != 2:
             raise TypeError(f"a field must be a (name, dtype) pair, got {pair!r}")
-        name, dtype = pair
+        name, spec = pair
         if not isinstance(name, str) or not name:
             raise ValueError(f"field names must be non-empty strings, got {name!r}")
-        if any(name == seen for seen, _ in checked):
+        if any(name == seen for seen, _, _ in checked):
             raise ValueError(f"field {name!r} is named twice")
+        dtype, row_shape = spec, ()
+        if isinstance(spec, (tuple, list)):  # (dtype, width): a column of rows of width values
+            if len(spec) != 2:
+                raise ValueError(
+                    f"field {name!r}: expected a dtype or (dtype, width), got {spec!r}"
+                )
+            dtype, width = spec
+            try:
+                row_shape = (as_count(width, "its width"),)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"field {name!r}: {error}") from None
         try:
-            checked.append((name, canonical_dtype(dtype)))
+            checked.append((name, canonical_dtype(dtype), row_shape))
         except TypeError as error:
             raise ValueError(f"field {name!r}: {error}") from None
     if not checked:
@@ -155,13 +179,15 @@ def _check_fields(fields: Any) -> list[tuple[str, DType]]:
     return checked
 
 
-def _layout(num_rows: int, fields: list[tuple[str, DType]]) -> tuple[list[int], int]:
+def _layout(
+    num_rows: int, fields: list[tuple[str, DType, tuple[int, ...]]]
+) -> tuple[list[int], int]:
     """Each field's byte offset (a multiple of :data:`FIELD_ALIGNMENT`) and the table size."""
     offsets, end = [], 0
-    for _, dtype in fields:
+    for _, dtype, row_shape in fields:
         start = -(-end // FIELD_ALIGNMENT) * FIELD_ALIGNMENT
         offsets.append(start)
-        end = start + num_rows * dtype.itemsize
+        end = start + num_rows * math.prod(row_shape) * dtype.itemsize
     return offsets, -(-end // FIELD_ALIGNMENT) * FIELD_ALIGNMENT
 
 
@@ -177,6 +203,22 @@ def _check_host_bytes(nbytes: int) -> None:
         )
 
 
+class SyncedValues:
+    """The table's values as its last completed :meth:`DeviceParamTable.sync` left them,
+    shared with the frameworks that take values rather than aliases (the JAX wing).
+
+    ``state`` is ``(changed_syncs, values)``: how many syncs have uploaded a change, and the
+    table's bytes then (immutable ``bytes``; zeros before the first). Replaced as one
+    attribute, so a reader sees either the old pair or the new one. ``closed`` once the
+    table is."""
+
+    __slots__ = ("state", "closed")
+
+    def __init__(self, nbytes: int) -> None:
+        self.state: tuple[int, bytes] = (0, bytes(nbytes))
+        self.closed = False
+
+
 def _device_wait(driver: VmmDriver, device: Device) -> None:
     """The ring's fallback: the frameworks' pending work, then the whole device."""
     interop.quiesce(device)
@@ -184,14 +226,16 @@ def _device_wait(driver: VmmDriver, device: Device) -> None:
 
 
 class DeviceParamTable:
-    """Per-request scalars (sampling parameters) in one device buffer at a fixed address.
+    """Per-request scalars (sampling parameters) and short rows (block tables) in one device
+    buffer at a fixed address.
 
-    ``fields`` maps each name to a dtype (a mapping, or ``(name, dtype)`` pairs, in order);
-    each field is a column of ``num_rows`` values starting at a multiple of
-    :data:`FIELD_ALIGNMENT` bytes. ``table[name].np`` is the host source of truth (a numpy
-    array, written freely); ``table[name].gpu`` the device column (a
-    :class:`~jaxbuf.BufferView`, for ``to_torch`` / ``to_jax`` / DLPack), which never moves,
-    so a step imports it once (:meth:`arrays`).
+    ``fields`` maps each name to a dtype, or to ``(dtype, width)`` for a row of ``width``
+    values per request (a mapping, or ``(name, spec)`` pairs, in order); each field is a
+    column of shape ``(num_rows,)`` or ``(num_rows, width)``, row-major, starting at a
+    multiple of :data:`FIELD_ALIGNMENT` bytes. ``table[name].np`` is the host source of
+    truth (a numpy array, written freely); ``table[name].gpu`` the device column (a
+    :class:`~jaxbuf.BufferView`, for ``to_torch`` / DLPack), which never moves, so a torch
+    step imports it once (:meth:`arrays`).
 
     :meth:`sync` uploads the whole table with one copy on the driver's stream, and only when
     a host value changed since the last upload: a step that admits no request copies
@@ -202,9 +246,14 @@ class DeviceParamTable:
     legacy default stream, as every jaxbuf producer write), ordered after the work already
     enqueued on blocking streams (torch's default stream is one) and before what they
     enqueue later; a consumer on a non-blocking stream exports the field again
-    (``gpu.to_torch()`` orders it after the last upload). XLA's streams are non-blocking,
-    so once the table was imported into JAX (:meth:`arrays`), and on the CPU always, a
-    changed sync first waits for the steps JAX dispatched (a host wait).
+    (``gpu.to_torch()`` orders it after the last upload).
+
+    JAX gets values, not the device table: ``arrays("jax")`` holds immutable JAX arrays of
+    the last sync's values, uploaded afresh (one transfer, one dispatch) at the first access
+    after a changed sync, so a step in flight keeps its old arrays and a sync never waits
+    for JAX. ``gpu.to_jax()`` instead aliases the device table: such an array changes value
+    at a sync, and a step dispatched with it may read the old or the new values (a race);
+    ``arrays("jax")`` is the ordered way.
 
     Not thread-safe. Not picklable or copyable. :meth:`close` (or ``free``) means done;
     arrays over the device table keep its memory while they live.
@@ -220,6 +269,7 @@ class DeviceParamTable:
         driver: VmmDriver | None = None,
     ) -> None:
         self._closed = True  # until everything is made
+        self._fields: dict[str, ParamField] = {}
         num_rows = as_count(num_rows, "num_rows")
         checked = _check_fields(fields)
         count = as_max_concurrency(max_concurrency)
@@ -237,19 +287,20 @@ class DeviceParamTable:
             self._owner = _TableOwner(tensor)
             base = tensor.full_view()
             self._device_ptr = base.ptr
-            self._fields: dict[str, ParamField] = {}
-            for (name, dtype), offset in zip(checked, offsets):
-                host = self._host[offset : offset + num_rows * dtype.itemsize].view(dtype.numpy)
+            for (name, dtype, row_shape), offset in zip(checked, offsets):
+                shape = (num_rows, *row_shape)
+                field_bytes = math.prod(shape) * dtype.itemsize
+                host = self._host[offset : offset + field_bytes].view(dtype.numpy)
                 gpu = BufferView(
                     base.ptr + offset,
-                    num_rows * dtype.itemsize,
+                    field_bytes,
                     dtype,
-                    (num_rows,),
+                    shape,
                     device,
                     self._owner,
                     base.dlpack_device_type,
                 )
-                self._fields[name] = ParamField(name, dtype, offset, host, gpu)
+                self._fields[name] = ParamField(name, dtype, offset, host.reshape(shape), gpu)
             self._ring = PinnedSlotRing(
                 count,
                 functools.partial(UvaBuffer, dtype="uint8", device=device, driver=driver),
@@ -274,8 +325,9 @@ class DeviceParamTable:
         # failed upload, so the next sync uploads whatever the host holds. Compared as
         # bytes: one copy and a memcmp, faster than numpy's comparisons at table sizes.
         self._uploaded: bytes | None = bytes(nbytes)
+        self._synced = SyncedValues(nbytes)
         self._next = 0
-        self._arrays: dict[str, dict[str, Any]] = {}
+        self._arrays: dict[str, Mapping[str, Any]] = {}
         self._closed = False
 
     # -- access ---------------------------------------------------------------------------
@@ -298,16 +350,30 @@ class DeviceParamTable:
     def fields(self) -> dict[str, ParamField]:
         return dict(self._fields)
 
-    def arrays(self, framework: str) -> dict[str, Any]:
-        """Each field's device column as an array of ``framework`` (``"torch"``, ``"jax"``,
-        ...), imported on the first call and the same objects after: they alias the device
-        table, so a step reads what the last :meth:`sync` uploaded, with no import or host
-        transfer per step. Never donate them to a jitted step."""
+    def arrays(self, framework: str) -> Mapping[str, Any]:
+        """Each field as an array of ``framework`` (``"torch"``, ``"jax"``, ...): a mapping
+        made on the first call, the same object after. Never donate its arrays to a jitted
+        step.
+
+        * A framework of mutable arrays (torch, numpy): a dict of arrays over the device
+          columns, imported once; they alias the device table, so a step reads what the last
+          :meth:`sync` uploaded, with no import or host transfer per step.
+        * A framework of immutable arrays (JAX): a live mapping whose items hold the values
+          of the last :meth:`sync`, uploaded afresh on the first access after a changed sync
+          (the same array objects until then). It is a JAX pytree whose leaves are those
+          arrays, so ``step(caches, table.arrays("jax"))`` passes each step the current
+          values, ordered by JAX's own dependencies: a step in flight keeps the arrays it
+          was dispatched with. Hold the mapping, not its items, across syncs."""
         self._check_open()
         arrays = self._arrays.get(framework)
         if arrays is None:
             adapter = interop.get(framework)
-            arrays = {name: adapter.from_view(f.gpu) for name, f in self._fields.items()}
+            if adapter.mutable_arrays:
+                arrays = {name: adapter.from_view(f.gpu) for name, f in self._fields.items()}
+            else:
+                from ._jax_table import JaxParamArrays  # the JAX wing: JAX only once asked
+
+                arrays = JaxParamArrays(self._synced, self._fields.values(), self.device)
             self._arrays[framework] = arrays
         return arrays
 
@@ -334,6 +400,8 @@ class DeviceParamTable:
         self._uploaded = None  # until the copy is enqueued: a failure leaves it unknown
         self._upload(current)
         self._uploaded = current
+        changed_syncs, _ = self._synced.state
+        self._synced.state = (changed_syncs + 1, current)  # what JAX's next access uploads
         return True
 
     def _upload(self, current: bytes) -> None:
@@ -349,13 +417,8 @@ class DeviceParamTable:
         slot.host[:] = np.frombuffer(current, np.uint8)
         driver, device = self._driver, self.device
         slot.guard = UNRECORDED  # the copy may read it from now on
-        if not self._asynchronous or "jax" in self._arrays:
-            # The steps JAX dispatched must finish reading the old values first: on the CPU
-            # the copy happens now, and on CUDA XLA's streams are non-blocking, so a copy on
-            # the default stream would not wait for them (torch's default stream is ordered
-            # with it: no wait for torch alone). Measured on an H200: without it a step in
-            # flight read the new values.
-            interop.quiesce(device)
+        # No wait for JAX: its steps read snapshots (arrays("jax")), never the device table,
+        # so a step in flight cannot see this copy. Torch's default stream is ordered with it.
         driver.copy(self._device_ptr, slot.host.ctypes.data, self.nbytes, device.index)
         # Recorded as it is made: an interrupt cannot leak it (the CPU makes none: no block).
         with deferred_interrupts() if self._asynchronous else _NOTHING_HELD:
@@ -377,6 +440,7 @@ class DeviceParamTable:
             return
         self._closed = True
         self._owner.closed = True
+        self._synced.closed = True
         self._arrays = {}
         cleanup = Cleanup("DeviceParamTable.close")
         # The upload events (each a slot's guard and, the last one, the views' ready event)
@@ -413,7 +477,10 @@ class DeviceParamTable:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
-        names = ", ".join(f"{n}: {f.dtype}" for n, f in self._fields.items())
+        names = ", ".join(
+            f"{n}: {f.dtype}" if len(f.shape) == 1 else f"{n}: ({f.dtype}, {f.shape[1]})"
+            for n, f in self._fields.items()
+        )
         return (
             f"DeviceParamTable({self.num_rows} rows, {{{names}}}, device={self.device}, "
             f"nbytes={self.nbytes}, {state})"
