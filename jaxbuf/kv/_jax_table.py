@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -19,7 +19,9 @@ import numpy as np
 from .. import interop
 from .._errors import ClosedError
 from ..devices import Device
-from ._param_table import ParamField, SyncedValues
+
+if TYPE_CHECKING:  # the table imports this wing: types only, no cycle
+    from ._param_table import ParamField, SyncedValues
 
 __all__ = ["JaxParamArrays"]
 
