@@ -1,4 +1,5 @@
-"""The JAX benchmark suites (``jax.views``, ``jax.staged``, ``jax.decode``): run quickly through
+"""The JAX benchmark suites (``jax.views``, ``jax.staged``, ``jax.decode``, ``jax.paged_decode``):
+run quickly through
 ``python -m jaxbuf bench --only jax`` on the CPU, rows well-formed with their baselines, the
 decode plot written; the decode loop's bookkeeping checked on small plans, in JAX and torch
 (``torch.decode``) over the public KV cache API; the ``kv.param_table`` rows."""
@@ -24,7 +25,7 @@ needs_torch = pytest.mark.skipif(TORCH_REASON is not None, reason=TORCH_REASON o
 PNG = b"\x89PNG\r\n\x1a\n"
 # One worker runs this module under `-n auto --dist loadgroup` (ONE_WORKER in conftest.py):
 # its bench run (a module fixture, minutes on a loaded CPU) is made once, not once per worker.
-SUITES = ("jax.decode", "jax.staged", "jax.views")
+SUITES = ("jax.decode", "jax.paged_decode", "jax.staged", "jax.views")
 
 
 def run_bench(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -81,7 +82,9 @@ def test_suites_are_registered_and_need_jax():
     suites = load_suites()
     for name in SUITES:
         assert name in suites, sorted(suites)
-        assert suites[name].requires == ("jax",)
+        assert suites[name].requires == (
+            ("jax", "torch") if name == "jax.paged_decode" else ("jax",)
+        )
         assert suites[name].description and "\n" not in suites[name].description
 
 
@@ -91,6 +94,8 @@ def test_only_jax_runs_the_three_suites_and_writes_the_decode_plot(jax_bench):
     assert "Traceback" not in result.stderr and "FAILED" not in result.stdout
     for name in SUITES:
         assert name in result.stdout
+        if name == "jax.paged_decode" and TORCH_REASON is not None:
+            continue  # skipped, saying it needs torch
         for row in suite_rows(document, name):
             if row["baseline_name"]:
                 assert row["median_s"] > 0
@@ -102,9 +107,19 @@ def test_only_jax_runs_the_three_suites_and_writes_the_decode_plot(jax_bench):
     # process of their own, on JAX's pool, and the command says so instead of warning.
     assert "warning" not in result.stderr, result.stderr
     words = " ".join(result.stdout.split())
-    assert "jax.staged, jax.views run in a process of their own, on JAX's own memory pool" in words
+    hot = (
+        "jax.paged_decode, jax.staged, jax.views"
+        if TORCH_REASON is None
+        else "jax.staged, jax.views"
+    )
+    assert f"{hot} run in a process of their own, on JAX's own memory pool" in words
     apart = {s["name"]: s["own_process"] for s in document["suites"]}
-    assert apart == {"jax.decode": False, "jax.staged": True, "jax.views": True}
+    assert apart == {
+        "jax.decode": False,
+        "jax.paged_decode": TORCH_REASON is None,
+        "jax.staged": True,
+        "jax.views": True,
+    }
     # Row names are printed as text, not rich markup ("[r, c]" would vanish).
     assert "a.at[r, c].set(v)" in " ".join(result.stdout.split())
 
@@ -221,6 +236,41 @@ def test_decode_rows_series_and_memory(jax_bench):
     )["params"]["series"]["realloc"]
     # A copy holds old and new at once: the peak exceeds the final array.
     assert max(long_realloc["held_bytes"]) > long_realloc["held_bytes"][-1]
+
+
+@needs_torch
+def test_paged_decode_rows(jax_bench):
+    """jax.paged_decode: per capacity, the median step against the preallocated donated
+    cache (target 1.2x, reported and not judged at quick sizes) and the bytes held, judged:
+    the committed blocks in whole granules, under the capacity from 1,024 blocks on. The
+    suite checked the two caches' logits and committed blocks equal before reporting."""
+    from jaxbuf import granule_size
+    from jaxbuf.bench._paged_model import PagedConfig
+
+    rows = suite_rows(jax_bench[1], "jax.paged_decode")
+    config = PagedConfig()
+    kinds = [(row["params"]["capacity_blocks"], row["params"]["kind"]) for row in rows]
+    assert kinds == [
+        (capacity, kind)
+        for capacity in (64, 1024, 4096)
+        for kind in ("paged-decode-step", "paged-decode-memory")
+    ]
+    for step, memory in zip(rows[::2], rows[1::2]):
+        check_row(step)
+        capacity = step["params"]["capacity_blocks"]
+        assert step["baseline_name"] == "preallocated JAX cache, donated, median step"
+        assert step["target"] == "<= 1.2x preallocated" and step["not_judged_reason"] == (
+            "quick sizes"
+        )
+        assert "equal, bit for bit" in step["notes"]
+        held = step["params"]["bytes_held"]
+        assert set(held["preallocated"]) == {capacity * config.block_bytes}
+        blocks = step["params"]["blocks_committed"]
+        assert blocks == sorted(blocks) and 8 <= blocks[-1] <= 16, blocks
+        assert memory["median_s"] is None and memory["met"] is True  # judged at any size
+        assert max(held["jaxbuf"]) <= 4 * granule_size("cpu")
+        if capacity >= 1024:
+            assert max(held["jaxbuf"]) < capacity * config.block_bytes
 
 
 # -- the decode loop's pieces, on small plans ------------------------------------------------
