@@ -26,8 +26,10 @@
 # * the **decode step** is a `KVCacheStep`: one jitted function over the cache's layers,
 #   imported into JAX once over the full capacity, so growing the cache never re-traces it.
 #   It writes the cache in place where JAX updates donated imports in place (a GPU);
-# * the **block table** (`num_seqs x max_blocks`, int32) is a `StagedWriteTensor`: a new page
-#   is staged on the host and applied with one launch per step (none when nothing changed);
+# * the **block table** (`num_seqs x max_blocks`, int32) is a JAX array that the step carries:
+#   a new page is staged on the host in a `jaxbuf.jax_ops.StagedWrites` (bounds-checked, the
+#   C stager), packed once per step, and applied inside the jitted step by
+#   `apply_staged_writes` (an XLA scatter): JAX all the way, no torch, no Triton;
 # * the per-step **metadata** (each sequence's length, the slot of its new token) lives in a
 #   `DeviceParamTable`: host values written freely, uploaded with one copy per step (none
 #   when nothing changed), read by the step from an array imported once;
@@ -43,13 +45,6 @@ import os
 # JAX would otherwise take most of the GPU at its first use, starving VMM allocations.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jaxbuf
-
-device = jaxbuf.default_device()
-if device.platform == "cpu":
-    # No GPU: run Triton kernels under its interpreter. Must be set before triton is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import tempfile
 import time
 from pathlib import Path
@@ -60,9 +55,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+import jaxbuf
+from jaxbuf.jax_ops import StagedWrites, apply_staged_writes
 from jaxbuf.kv import KVCacheStep
-from jaxbuf.staged import StagedWriteTensor
 
+device = jaxbuf.default_device()
 torch_device = torch.device("cuda", device.index) if device.is_cuda else torch.device("cpu")
 MiB = 1 << 20
 
@@ -109,9 +106,11 @@ flat = builder.reserve(max_pages * 2 * page_bytes, num_segments=2)
 kv = builder.finish()
 print(kv, "| flat view:", flat.nbytes // MiB, "MiB")
 
-block_table = StagedWriteTensor((num_seqs, max_blocks), "int32", device=device)
-bt_jax = block_table.to_jax()  # aliases the table: every step reads the latest entries
-bt_torch = block_table.to_torch()
+# Buckets of every page at once: each pack (prefill's, or a step's) has one shape, one trace.
+block_table = StagedWrites(
+    num_seqs, max_blocks, "int32", min_write_bucket=max_pages, min_content_bucket=max_pages
+)
+bt_jax = jax.device_put(jnp.zeros((num_seqs, max_blocks), jnp.int32), device.jax())
 meta = jaxbuf.DeviceParamTable(num_seqs, {"length": "int32", "slot": "int32"}, device)
 fields = meta.arrays("jax")  # imported once: each step reads the last upload
 # torch views of K and V over the full capacity: made once, valid as the cache grows.
@@ -135,7 +134,7 @@ pages_of = [[] for _ in range(num_seqs)]
 def allocate_page(seq, block):
     global num_pages
     page = num_pages
-    block_table.stage_write(seq, block, [page])  # bounds-checked first: raises if full
+    block_table.stage_write(seq, block, np.array([page], np.int32))  # raises if out of bounds
     kv.ensure_blocks(page + 1)
     num_pages += 1
     return page
@@ -154,8 +153,9 @@ def slot_of(seq, pos):
 # sequence length and reduces: softmax(K q) V. A query is a function of the length.
 #
 # `decode_step` is the `KVCacheStep` function: it gets the cache's layer arrays (K and V,
-# each `max_pages x BLOCK x DIM`), writes each sequence's new token at its slot and attends.
-# It returns the updated arrays with its output; the step makes the cache's memory hold them.
+# each `max_pages x BLOCK x DIM`), applies the step's block-table writes, writes each
+# sequence's new token at its slot and attends. It returns the updated arrays with its output
+# (the block table and the attention); the step makes the cache's memory hold them.
 
 # %%
 freqs = jnp.linspace(0.01, 1.0, DIM, dtype=jnp.float32)
@@ -178,13 +178,14 @@ def attend(k_rows, v_rows, block_table, lengths):
     return jnp.einsum("st,std->sd", weights, v_rows[rows])
 
 
-def decode_step(caches, block_table, length, slot):
+def decode_step(caches, block_table, packed, length, slot):
     k_cache, v_cache = caches
+    block_table = apply_staged_writes(block_table, packed)  # the pages handed out this step
     k_new, v_new = make_kv(jnp.arange(num_seqs), length - 1)  # the token just appended
     k_rows = k_cache.reshape(-1, DIM).at[slot].set(k_new)
     v_rows = v_cache.reshape(-1, DIM).at[slot].set(v_new)
     out = attend(k_rows, v_rows, block_table, length)
-    return [k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape)], out
+    return [k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape)], (block_table, out)
 
 
 step = KVCacheStep(kv, decode_step, "float32", block_shape=(BLOCK, DIM))
@@ -194,18 +195,20 @@ print("writes the cache in place:", step.in_place, "(else: committed blocks copi
 # ## The torch check
 #
 # A torch function that reads the same memory: it gathers each sequence's K rows through the
-# block table (a torch tensor over the `StagedWriteTensor`) and compares them with what
-# `make_kv` says they must be, then recomputes the attention and compares with JAX's output.
+# block table (JAX's array, seen by torch through DLPack, zero-copy) and compares them with
+# what `make_kv` says they must be, then recomputes the attention and compares with JAX's
+# output.
 
 
 # %%
 def torch_check(lengths, jax_out):
+    # ruff sees the last cell's `del`, not the order in which cells run.
+    bt_torch = torch.from_dlpack(bt_jax)  # noqa: F821
     t = torch.arange(max_tokens, device=torch_device)
     worst_row, worst_out = 0.0, 0.0
     for s in range(num_seqs):
         n = int(lengths[s])
-        # ruff sees the last cell's `del bt_torch`, not the order in which cells run.
-        rows = bt_torch[s, t[:n] // BLOCK].long() * BLOCK + t[:n] % BLOCK  # noqa: F821
+        rows = bt_torch[s, t[:n] // BLOCK].long() * BLOCK + t[:n] % BLOCK
         k_rows, v_rows = k_torch[rows], v_torch[rows]  # noqa: F821
         k_want, _ = make_kv(jnp.full((n,), s, jnp.int32), jnp.arange(n, dtype=jnp.int32))
         worst_row = max(
@@ -224,8 +227,8 @@ def torch_check(lengths, jax_out):
 # ## Prefill, from torch
 #
 # Four sequences of different lengths: allocate their pages, apply the block table (one
-# launch for all of them), and write their K/V with torch's `index_copy_` on the cache's
-# torch views: the same memory the JAX step reads.
+# jitted scatter for all of them, the table donated), and write their K/V with torch's
+# `index_copy_` on the cache's torch views: the same memory the JAX step reads.
 
 # %%
 lengths = np.array([13, 5, 30, 40], dtype=np.int64)
@@ -233,7 +236,8 @@ for s, n in enumerate(lengths):
     for block in range(-(-int(n) // BLOCK)):
         pages_of[s].append(allocate_page(s, block))
 print("staged block-table writes:", block_table.num_staged_writes)
-block_table.apply_write()
+apply_table = jax.jit(apply_staged_writes, donate_argnums=0)
+bt_jax = apply_table(bt_jax, block_table.pack())
 seqs = np.repeat(np.arange(num_seqs), lengths)
 positions = np.concatenate([np.arange(n) for n in lengths])
 k_new, v_new = make_kv(jnp.asarray(seqs, jnp.int32), jnp.asarray(positions, jnp.int32))
@@ -242,7 +246,7 @@ k_torch.index_copy_(0, index, torch.from_dlpack(k_new))
 v_torch.index_copy_(0, index, torch.from_dlpack(v_new))
 sync()
 print("pages:", kv.num_blocks_committed, "| committed:", kv.physical_bytes // MiB, "MiB")
-print("block table:\n", bt_torch.cpu())
+print("block table:\n", np.asarray(bt_jax))
 
 # %% [markdown]
 # ## The loop
@@ -252,13 +256,14 @@ print("block table:\n", bt_torch.cpu())
 # 1. on the host: a sequence whose new token starts a block gets a page (the cache commits
 #    it, the block-table entry is staged); the lengths and new-token slots are written into
 #    the metadata table's host values;
-# 2. `apply_write()`: the staged block-table entries, one launch (nothing staged: nothing
-#    launched); `meta.sync()`: the metadata, one copy;
-# 3. the JAX step writes the new K/V into the cache and attends, reading the block table and
-#    the metadata in place.
+# 2. `block_table.pack()`: the staged entries resolved and packed (an empty pack when
+#    nothing is staged); `meta.sync()`: the metadata, one copy;
+# 3. the JAX step applies the block-table writes, writes the new K/V into the cache and
+#    attends, reading the metadata in place; the updated block table comes back with its
+#    output, for the next step.
 #
-# The step's shapes never change (its arrays span the full capacity), so it is compiled once
-# however often the cache grows.
+# The step's shapes never change (its arrays span the full capacity, every pack fills the
+# same buckets), so it is compiled once however often the cache grows.
 
 # %%
 steps = 20
@@ -273,9 +278,10 @@ for i in range(steps):
     meta["slot"].np[:] = [slot_of(s, int(lengths[s])) for s in range(num_seqs)]
     lengths += 1
     meta["length"].np[:] = lengths
-    block_table.apply_write()
+    packed = block_table.pack()
     meta.sync()
-    out = step(bt_jax, fields["length"], fields["slot"]).block_until_ready()
+    bt_jax, out = step(bt_jax, packed, fields["length"], fields["slot"])
+    out.block_until_ready()
     step_ms.append(1e3 * (time.perf_counter() - start))
     committed_mib.append(kv.physical_bytes / MiB)
     grew.append(new_pages)
@@ -304,9 +310,8 @@ print(flat.ptr == k_torch.data_ptr() == step.caches[0].unsafe_buffer_pointer())
 #
 # Committed memory rises in whole pages (one granule in K and one in V each) when a sequence
 # crosses a block boundary, and nothing is re-traced: step 0 holds the one compile. On the
-# CPU the block-table launch runs under Triton's interpreter, and JAX copies a donated
-# import, so each step also copies the cache's committed blocks back; on a GPU the step
-# writes the cache in place.
+# CPU JAX copies a donated import, so each step also copies the cache's committed blocks
+# back; on a GPU the step writes the cache in place.
 
 # %%
 fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(9, 3))
@@ -348,9 +353,8 @@ print("awake: ", kv.physical_bytes // MiB, "MiB,", kv.num_blocks_committed, "blo
 # dropping the framework arrays first releases it at once.
 
 # %%
-del k_torch, v_torch, bt_jax, bt_torch, fields, out, flat, k_view, v_view
+del k_torch, v_torch, bt_jax, fields, out, flat, k_view, v_view
 step.close()
 meta.close()
-block_table.free()
 kv.free()
 print(kv)
