@@ -340,8 +340,9 @@ class JaxbufCache:
 
             self.kv_step = KVCacheStep(self.kv, step, "float32", config.block_shape)
         except BaseException:
+            if self.kv is None:  # not finished: the builder still owns the tensor
+                builder.free()
             self.close()
-            builder.free()
             raise
 
     @property
