@@ -29,8 +29,9 @@
 #   cache commits memory in whole blocks (`ensure_blocks`) as requests need them;
 # * **requests arrive** over the run; a **torch prefill** (the same weights) computes each
 #   prompt's K/V and writes them into the cache through its torch view: no copy, no JAX;
-# * the **step** is a `KVCacheStep`, and the per-request metadata (position, token, block
-#   table) lives in a `DeviceParamTable`, synced once per step.
+# * the **step** is a `KVCacheStep` over the cache in that layout, and the per-request
+#   metadata (position, token, and the block table as a 2-D field) lives in a
+#   `DeviceParamTable`, synced once per step.
 #
 # The model and the host's bookkeeping (which row a request takes, which block a token
 # goes to) are shared with the `jax.paged_decode` benchmark, in `jaxbuf.bench._paged_model`.
@@ -44,7 +45,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import statistics
 
-import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -83,6 +83,15 @@ for arrival in schedule:
 # scratch block that rows without a request decode into. The torch view over the whole
 # reservation is made once; committing never moves an address, so it stays valid as the
 # cache grows (touch only committed blocks).
+#
+# `KVCacheStep(..., segment_shape=(layers, 2))` hands the step function the tensor as one
+# array in the engine's layout, `(layers, 2, blocks, 16, heads, head_dim)`: the model runs
+# unchanged. `blocks` is the capacity where JAX writes the cache in place (a GPU); on the CPU
+# it is a power of two at or above the committed blocks, so a step costs what the cache
+# holds, not what it could hold (the model indexes blocks only through the block table).
+#
+# The table's `block_table` field is 2-D: `rows x max_blocks`. `table.arrays("jax")` is a
+# live mapping (a pytree): passed to each step, it gives the values of the last `sync()`.
 
 # %%
 capacity = 1024
@@ -90,19 +99,20 @@ builder = jaxbuf.ExtensibleKVCacheBuilder(capacity, device)
 builder.reserve(capacity * config.block_bytes, num_segments=config.layers * 2)
 kv = builder.finish()
 torch_cache = kv.full_view(0).to_torch(torch.float32, config.cache_shape(capacity))
-table = jaxbuf.DeviceParamTable(config.rows, {"position": "int32", "token": "int32"}, device)
-meta = table.arrays("jax")  # imported once: each step reads what the last sync() uploaded
+fields = {"position": "int32", "token": "int32", "block_table": ("int32", config.max_blocks)}
+table = jaxbuf.DeviceParamTable(config.rows, fields, device)
+meta = table.arrays("jax")  # the same mapping every call: each step gets the last sync()
 
 
-def jaxbuf_step(caches, meta, block_table, weights):
-    """The KVCacheStep function: the cache's layer views (K and V of each layer) as the
-    engine's one array, the model, and the views back."""
-    cache = jnp.stack(caches).reshape(config.cache_shape(caches[0].shape[0]))
-    cache, logits = step_fn(cache, {**meta, "block_table": block_table}, weights)
-    return [cache[s // 2, s % 2] for s in range(config.layers * 2)], logits
+def jaxbuf_step(caches, meta, weights):
+    """The KVCacheStep function: one array per KV tensor (here one), the model."""
+    cache, logits = step_fn(caches[0], meta, weights)
+    return [cache], logits
 
 
-step = KVCacheStep(kv, jaxbuf_step, "float32", config.block_shape)
+step = KVCacheStep(
+    kv, jaxbuf_step, "float32", config.block_shape, segment_shape=config.segment_shape
+)
 print(kv)
 print("the step writes the cache in place:", step.in_place, "(else: committed blocks copied back)")
 
@@ -133,14 +143,15 @@ for n in range(steps):
     kv.ensure_blocks(requests.blocks_used)
     table["position"].np[:] = requests.position
     table["token"].np[:] = requests.token
+    table["block_table"].np[:] = requests.block_table
     table.sync()
-    logits = np.asarray(step(meta, jnp.asarray(requests.block_table), jax_weights))
+    logits = np.asarray(step(meta, jax_weights))
     expected = np.asarray(baseline.step(baseline_requests, jax_weights))
     assert np.array_equal(logits, expected), f"step {n}: logits differ"
     if n % 6 == 0 or n == steps - 1:
         print(
             f"step {n:2d}: positions {requests.position.tolist()}, "
-            f"{kv.num_blocks_committed} blocks committed"
+            f"{kv.num_blocks_committed} blocks committed, the step's arrays of {step.blocks}"
         )
     requests.advance(logits)
     baseline_requests.advance(expected)

@@ -263,6 +263,11 @@ def test_paged_decode_rows(jax_bench):
             "quick sizes"
         )
         assert "equal, bit for bit" in step["notes"]
+        # The CPU copies a donated import: the step runs over a bucket of the committed
+        # blocks, the smallest power of two at or above them, never the capacity.
+        assert step["params"]["write_path"] == "bucket, copied back"
+        last = step["params"]["blocks_committed"][-1]
+        assert step["params"]["step_blocks"] == min(capacity, 1 << (last - 1).bit_length())
         held = step["params"]["bytes_held"]
         assert set(held["preallocated"]) == {capacity * config.block_bytes}
         blocks = step["params"]["blocks_committed"]

@@ -302,8 +302,10 @@ class PreallocatedCache:
 class JaxbufCache:
     """The cache an engine builds on jaxbuf: one KV-cache tensor of ``layers * 2`` segments
     reserved for ``capacity`` blocks, committed as the requests need blocks; a torch view over
-    the whole reservation for the prefill; the step a :class:`~jaxbuf.KVCacheStep`; the
-    per-request metadata in a :class:`~jaxbuf.DeviceParamTable` imported once."""
+    the whole reservation for the prefill; the step a :class:`~jaxbuf.KVCacheStep` that hands
+    the model the tensor in the engine's layout (``segment_shape=(layers, 2)``); the
+    per-request metadata, block table included (a 2-D field), in a
+    :class:`~jaxbuf.DeviceParamTable` whose live JAX mapping each step is passed."""
 
     label = "jaxbuf"
 
@@ -324,21 +326,27 @@ class JaxbufCache:
             )
             self.table = DeviceParamTable(
                 config.rows,
-                {"position": "int32", "token": "int32"},
+                {
+                    "position": "int32",
+                    "token": "int32",
+                    "block_table": ("int32", config.max_blocks),
+                },
                 device,
             )
-            self.meta = self.table.arrays("jax")
+            self.meta = self.table.arrays("jax")  # a live mapping: each step's current values
             model = decode_step(config)
-            L = config.layers
 
-            def step(caches: list[Any], meta: Any, block_table: Any, weights: Any) -> Any:
-                import jax.numpy as jnp
+            def step(caches: list[Any], meta: Any, weights: Any) -> Any:
+                cache, logits = model(caches[0], meta, weights)
+                return [cache], logits
 
-                cache = jnp.stack(caches).reshape(config.cache_shape(caches[0].shape[0]))
-                cache, logits = model(cache, {**meta, "block_table": block_table}, weights)
-                return [cache[s // 2, s % 2] for s in range(2 * L)], logits
-
-            self.kv_step = KVCacheStep(self.kv, step, "float32", config.block_shape)
+            self.kv_step = KVCacheStep(
+                self.kv,
+                step,
+                "float32",
+                config.block_shape,
+                segment_shape=config.segment_shape,
+            )
         except BaseException:
             if self.kv is None:  # not finished: the builder still owns the tensor
                 builder.free()
@@ -354,6 +362,12 @@ class JaxbufCache:
         """Whether the step writes the cache's memory in place (else it copies it back)."""
         return self.kv_step.in_place
 
+    @property
+    def step_blocks(self) -> int:
+        """The blocks the step's arrays span: the capacity in place, else a bucket of the
+        committed blocks."""
+        return self.kv_step.blocks
+
     def ensure_blocks(self, blocks: int) -> None:
         self.kv.ensure_blocks(blocks)
 
@@ -366,13 +380,10 @@ class JaxbufCache:
             torch.cuda.synchronize(self.torch_cache.device)
 
     def step(self, requests: Requests, weights: Any) -> Any:
-        import jax
-
-        self.table["position"].np[:] = requests.position
-        self.table["token"].np[:] = requests.token
+        for name, values in requests.meta().items():
+            self.table[name].np[:] = values
         self.table.sync()
-        block_table = jax.device_put(requests.block_table)
-        return self.kv_step(self.meta, block_table, weights).block_until_ready()
+        return self.kv_step(self.meta, weights).block_until_ready()
 
     def committed(self, blocks: int) -> np.ndarray:
         return self.torch_cache[:, :, :blocks].cpu().numpy().copy()

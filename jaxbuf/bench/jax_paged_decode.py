@@ -9,8 +9,9 @@ table. Two caches, stepped in lockstep (the order alternating each step):
 
 * **jaxbuf**: an :class:`~jaxbuf.ExtensibleKVCacheBuilder` tensor of ``layers * 2``
   segments reserved for the capacity, committed with ``ensure_blocks`` as blocks are handed
-  out, stepped by a :class:`~jaxbuf.KVCacheStep`, the per-request metadata in a
-  :class:`~jaxbuf.DeviceParamTable` synced per step;
+  out, stepped by a :class:`~jaxbuf.KVCacheStep` in the engine's layout
+  (``segment_shape=(layers, 2)``), the per-request metadata and the block table (a 2-D
+  field) in a :class:`~jaxbuf.DeviceParamTable` synced per step;
 * **preallocated**: a JAX array of the full capacity, the step jitted with the cache
   donated, the metadata put on the device per step: what a JAX user writes.
 
@@ -41,18 +42,21 @@ def _granules(blocks: int, segment_block_bytes: int, segments: int, granule: int
     return segments * -(-blocks * segment_block_bytes // granule) * granule
 
 
-def _rows(config: Any, capacity: int, traces: dict, in_place: bool, granule: int) -> list[Row]:
+def _rows(config: Any, capacity: int, traces: dict, step_blocks: dict, granule: int) -> list[Row]:
     mine, base = traces["jaxbuf"], traces["preallocated"]
     held, capacity_bytes = max(mine.bytes_held), max(base.bytes_held)
     blocks = mine.blocks[-1]
     segments = config.layers * 2
     bound = _granules(blocks, config.block_bytes // segments, segments, granule)
-    write_path = "donate" if in_place else "copied back"
+    # Where JAX copies a donated import (its CPU client) the step runs over a bucket of the
+    # committed blocks and copies them back; elsewhere it donates the full-capacity arrays.
+    write_path = "donate" if step_blocks["in_place"] else "bucket, copied back"
     common = {
         "capacity_blocks": capacity,
         "blocks_committed": mine.blocks,
         "bytes_held": {"jaxbuf": mine.bytes_held, "preallocated": base.bytes_held},
         "write_path": write_path,
+        "step_blocks": step_blocks["blocks"],
         "steps": len(mine.step_s),
     }
     name = f"paged decode, {capacity:,} blocks"
@@ -126,8 +130,9 @@ def paged_decode_suite(device: Any, quick: bool) -> Iterator[Row | Sizes]:
                 model.check_agreement(caches, run, "preallocated")
                 for name, trace in run.items():
                     traces.setdefault(name, model.Trace()).extend(trace)
-            in_place = caches["jaxbuf"].in_place
+            jaxbuf = caches["jaxbuf"]
+            step_blocks = {"in_place": jaxbuf.in_place, "blocks": jaxbuf.step_blocks}
         finally:
             for cache in caches.values():
                 cache.close()
-        yield from _rows(config, capacity, traces, in_place, granule)
+        yield from _rows(config, capacity, traces, step_blocks, granule)
