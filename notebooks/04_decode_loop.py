@@ -24,15 +24,16 @@
 #   `ExtensibleKVCacheBuffers` it finishes commit physical memory in whole blocks (pages)
 #   when a sequence crosses a block boundary. No address ever moves;
 # * the **decode step** is a `KVCacheStep`: one jitted function over the cache's layers,
-#   imported into JAX once over the full capacity, so growing the cache never re-traces it.
-#   It writes the cache in place where JAX updates donated imports in place (a GPU);
+#   imported into JAX once over the full capacity. It writes the cache in place where JAX
+#   updates donated imports in place (a GPU: one trace for every grow); on the CPU it runs
+#   over a power-of-two bucket of the committed blocks (one trace per bucket);
 # * the **block table** (`num_seqs x max_blocks`, int32) is a JAX array that the step carries:
 #   a new page is staged on the host in a `jaxbuf.jax_ops.StagedWrites` (bounds-checked, the
 #   C stager), packed once per step, and applied inside the jitted step by
 #   `apply_staged_writes` (an XLA scatter): JAX all the way, no torch, no Triton;
 # * the per-step **metadata** (each sequence's length, the slot of its new token) lives in a
 #   `DeviceParamTable`: host values written freely, uploaded with one copy per step (none
-#   when nothing changed), read by the step from an array imported once;
+#   when nothing changed), handed to the step as JAX values of the last upload;
 # * **torch** writes the prefill into the same cache and checks JAX's results from it.
 #
 # The "model" is a toy: each step makes one new K/V vector per sequence (a fixed function of
@@ -112,7 +113,7 @@ block_table = StagedWrites(
 )
 bt_jax = jax.device_put(jnp.zeros((num_seqs, max_blocks), jnp.int32), device.jax())
 meta = jaxbuf.DeviceParamTable(num_seqs, {"length": "int32", "slot": "int32"}, device)
-fields = meta.arrays("jax")  # imported once: each step reads the last upload
+fields = meta.arrays("jax")  # a live mapping: read per step, the last sync's values
 # torch views of K and V over the full capacity: made once, valid as the cache grows.
 k_torch, v_torch = (
     view.to_torch().view(-1, DIM) for view in kv.layer_views("float32", (BLOCK, DIM))
@@ -153,7 +154,8 @@ def slot_of(seq, pos):
 # sequence length and reduces: softmax(K q) V. A query is a function of the length.
 #
 # `decode_step` is the `KVCacheStep` function: it gets the cache's layer arrays (K and V,
-# each `max_pages x BLOCK x DIM`), applies the step's block-table writes, writes each
+# each `blocks x BLOCK x DIM`, where `blocks` is the capacity on a GPU and a bucket of the
+# committed pages on the CPU), applies the step's block-table writes, writes each
 # sequence's new token at its slot and attends. It returns the updated arrays with its output
 # (the block table and the attention); the step makes the cache's memory hold them.
 
@@ -262,8 +264,9 @@ print("block table:\n", np.asarray(bt_jax))
 #    attends, reading the metadata in place; the updated block table comes back with its
 #    output, for the next step.
 #
-# The step's shapes never change (its arrays span the full capacity, every pack fills the
-# same buckets), so it is compiled once however often the cache grows.
+# On a GPU the step's shapes never change (its arrays span the full capacity, every pack
+# fills the same buckets), so it is compiled once however often the cache grows; on the CPU
+# it compiles once per power-of-two bucket of committed pages.
 
 # %%
 steps = 20

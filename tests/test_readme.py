@@ -1,5 +1,6 @@
-"""The README's examples run as written, each where its first line says (the CPU ones here,
-the CUDA ones on the GPU machine), and its commands are the ones CI runs."""
+"""The examples of the README and of docs/JAX_SEMANTICS.md run as written, each where its
+first line says (the CPU ones here, the CUDA ones on the GPU machine), and the README's
+commands are the ones CI runs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+DOCUMENTS = (README, ROOT / "docs" / "JAX_SEMANTICS.md")
+EXAMPLES = [
+    example
+    for document in DOCUMENTS
+    for example in re.findall(r"```python\n(.*?)```", document.read_text(), flags=re.S)
+]
 GPU_LINE = "# Needs a CUDA GPU"
 CPU_LINE = "# Runs on the CPU"
 GPU_EXAMPLES = [e for e in EXAMPLES if e.startswith(GPU_LINE)]

@@ -12,12 +12,14 @@ finished sequences write to. Three ways to hold the cache, in one run:
   (blocks outermost), and the :class:`~jaxbuf.ExtensibleKVCacheBuffers` it finishes commit a
   growth step of whole blocks when the next step needs more pages, while the device works on
   the current step. The step is a :class:`~jaxbuf.KVCacheStep`: the cache imported into JAX
-  once, over the full capacity, so one compiled step serves every grow; it writes the cache
-  in place where JAX updates donated imports in place (its GPU client) and copies the
-  committed blocks back where it does not (its CPU client: ``params["write_path"]``). The
-  lengths and slots come from a :class:`~jaxbuf.DeviceParamTable` imported once and synced
-  per step; new block-table entries are packed by :func:`jaxbuf.jax_ops.pack_writes` and
-  applied inside the step (:func:`jaxbuf.jax_ops.apply_staged_writes`).
+  once, over the full capacity. Where JAX updates donated imports in place (its GPU client)
+  the step writes the cache in place and one compiled step serves every grow; where it does
+  not (its CPU client: ``params["write_path"]``) the step runs over a power-of-two bucket of
+  the committed blocks (one compiled step per bucket) and copies the committed blocks back.
+  The lengths and slots come from a :class:`~jaxbuf.DeviceParamTable`, synced per step and
+  passed to it as its live JAX mapping; new block-table entries are packed by
+  :func:`jaxbuf.jax_ops.pack_writes` and applied inside the step
+  (:func:`jaxbuf.jax_ops.apply_staged_writes`).
 * **preallocated**: a JAX array holding every page of the maximum length, from the start.
 * **realloc+copy**: a JAX array grown on the same schedule as jaxbuf's by ``jnp.pad`` into a
   new array (the old one is dropped after the copy).
@@ -229,10 +231,10 @@ def _run_plain(model: _Model, schedule: _Schedule, growing: bool) -> Run:
 
 class _Jaxbuf:
     """The jaxbuf variant's state, made once per run of the suite as an engine makes it: the
-    cache (reserved for the maximum), its :class:`~jaxbuf.KVCacheStep` (one compiled step for
-    every grow and profile), the metadata table and the block-table pack ring. Each profile
-    starts from :meth:`reset`: the cache released and ``capacity`` blocks committed again,
-    zeroed, as an engine's sleep and wake."""
+    cache (reserved for the maximum), its :class:`~jaxbuf.KVCacheStep` (compiled once on a
+    GPU, once per bucket of committed blocks on the CPU), the metadata table and the
+    block-table pack ring. Each profile starts from :meth:`reset`: the cache released and
+    ``capacity`` blocks committed again, zeroed, as an engine's sleep and wake."""
 
     def __init__(self, model: _Model) -> None:
         from jaxbuf.jax_ops import PackRing
@@ -322,8 +324,8 @@ def _profile_rows(
             "committed blocks back after each step"
         )
         not_here = (
-            "a GPU target: here JAX copies a donated import, so each step copies the cache "
-            "and KVCacheStep copies its committed blocks back, a path the GPU does not take"
+            "a GPU target: here JAX copies a donated import, so each step copies a bucket of "
+            "the committed blocks and KVCacheStep copies them back, a path the GPU does not take"
         )
     yield from decode_rows(
         plan,

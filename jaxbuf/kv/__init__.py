@@ -7,13 +7,16 @@
   (``commit``, ``ensure_blocks``, ``extend``, ``release_physical`` / ``recommit``,
   ``defragment=True`` for RDMA registration), with views of every layer over the full
   capacity and views trimmed to the committed blocks;
-* :class:`DeviceParamTable` keeps per-request scalars at a fixed device address and uploads
-  them with one copy, only when a host value changed;
-* :class:`KVCacheStep` runs a jitted JAX decode step over the cache's layers, in place where
-  JAX writes donated imports in place (:func:`donation_in_place`).
+* :class:`DeviceParamTable` keeps per-request scalars and short rows (block tables) at a
+  fixed device address and uploads them with one copy, only when a host value changed; JAX
+  gets them as values (``arrays("jax")``), so a sync never waits for JAX;
+* :class:`KVCacheStep` runs a jitted JAX decode step over the cache's layers, at a cost
+  that follows the committed blocks: in place where JAX writes donated imports in place
+  (:func:`donation_in_place`), over a bucket of the committed blocks elsewhere.
 
 Modules: :mod:`jaxbuf.kv._builder`, :mod:`jaxbuf.kv._buffers`, :mod:`jaxbuf.kv._param_table`
-and the JAX wing :mod:`jaxbuf.kv._jax_step` (JAX imported inside its functions only).
+and the JAX wings :mod:`jaxbuf.kv._jax_step` (JAX imported inside its functions only) and
+:mod:`jaxbuf.kv._jax_table` (imported on a table's first ``arrays("jax")``).
 
 Examples
 --------
