@@ -119,8 +119,9 @@ static PyObject *copy_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
 
 /* -- a segmentation fault that explains itself ---------------------------------------------
  *
- * The CPU driver maps every uncommitted byte of a reservation read-only (a write faults) and
- * parks a freed reservation PROT_NONE (any access faults): a view or raw pointer that outlives
+ * The CPU driver maps every uncommitted byte of a reservation read-only (a write faults; in
+ * debug mode PROT_NONE, so a read faults too) and parks a freed reservation PROT_NONE (any
+ * access faults): a view or raw pointer that outlives
  * its memory ends the process with SIGSEGV. The driver tells this table about each
  * reservation as it changes; a SIGSEGV handler, installed at the first reservation, looks the
  * faulting address up and writes one line naming jaxbuf, the reservation and the likely cause
@@ -136,7 +137,8 @@ static PyObject *copy_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
 #include <signal.h>
 #include <unistd.h>
 
-enum { WATCH_RESERVED = 1, WATCH_RELEASED = 2, WATCH_FREED = 4 };
+/* WATCH_STRICT: a debug-mode reservation, PROT_NONE where uncommitted (a read faults too). */
+enum { WATCH_RESERVED = 1, WATCH_RELEASED = 2, WATCH_FREED = 4, WATCH_STRICT = 8 };
 #define WATCH_SLOTS 4096
 
 typedef struct {
@@ -191,6 +193,15 @@ static void explain_segv(int signum, siginfo_t *info, void *context) {
             if (state & WATCH_FREED)
                 put_text(line, &at, sizeof line,
                          " (CPU driver), freed: likely a view or raw pointer used after free()");
+            else if ((state & WATCH_STRICT) && (state & WATCH_RELEASED))
+                put_text(line, &at, sizeof line,
+                         " (CPU driver, debug mode): a read or write of uncommitted or released "
+                         "memory (likely through a view after release_physical(), a shrink or a "
+                         "defragment, or past the committed bytes)");
+            else if (state & WATCH_STRICT)
+                put_text(line, &at, sizeof line,
+                         " (CPU driver, debug mode): a read or write of uncommitted memory "
+                         "(likely past the committed bytes)");
             else if (state & WATCH_RELEASED)
                 put_text(line, &at, sizeof line,
                          " (CPU driver), not committed there: likely a write through a view "
@@ -293,7 +304,8 @@ static PyObject *watch_reservation(PyObject *module, PyObject *const *args, Py_s
 }
 
 /* mark_reservation(ptr, size, state) -> None: add WATCH_* bits to the reservation holding
- * [ptr, ptr + size): 2 when a range of it is unmapped, 4 when it is freed. */
+ * [ptr, ptr + size): 2 when a range of it is unmapped, 4 when it is freed, 8 when it is a
+ * debug-mode (PROT_NONE) reservation. */
 static PyObject *mark_reservation(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     uintptr_t start, end;
@@ -314,7 +326,8 @@ static PyMethodDef host_calls_methods[] = {
     {"watch_reservation", (PyCFunction)(void (*)(void))watch_reservation, METH_FASTCALL,
      "watch_reservation(ptr, size) -> None: a SIGSEGV inside it names jaxbuf and the cause"},
     {"mark_reservation", (PyCFunction)(void (*)(void))mark_reservation, METH_FASTCALL,
-     "mark_reservation(ptr, size, bits) -> None: 2: a range of it was unmapped; 4: freed"},
+     "mark_reservation(ptr, size, bits) -> None: 2: a range of it was unmapped; 4: freed; "
+     "8: debug mode"},
     {"copy_batch", (PyCFunction)(void (*)(void))copy_batch, METH_FASTCALL,
      "copy_batch(dsts, srcs, sizes) -> None: memmove of each (dst, src, size) of three 1-D "
      "uint64 arrays, in order, with the GIL released"},
