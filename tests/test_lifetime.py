@@ -9,8 +9,8 @@ Documented behaviour tested here:
   without a ``ResourceWarning`` or an unraisable exception.
 * ``release_physical()`` while views exist: views keep their address. Until memory is committed
   again, on the CPU driver the range is a read-only zero mapping: reading gives zeros (never
-  stale bytes), a write dies with ``SIGSEGV``. After a grow the same views work again; freshly
-  committed CPU memory reads zeros.
+  stale bytes), a write dies with ``SIGSEGV`` (in debug mode, ``JAXBUF_DEBUG=1``, a read
+  too). After a grow the same views work again; freshly committed CPU memory reads zeros.
 * ``free()`` means "I am done": arrays exported before it (numpy, torch, JAX,
   unconsumed capsules) keep reading their memory, ``live_exports`` counts them, and the memory
   goes with the last one (``released``); with none it goes at once. Views taken before
@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import gc
+import importlib.util
 import mmap
 import pickle
 import signal
@@ -45,6 +46,7 @@ from jaxbuf import interop
 from jaxbuf.drivers import HostVmmDriver
 
 GRANULE = 2 << 20
+HAS_HINT = importlib.util.find_spec("jaxbuf.drivers._host_calls") is not None  # the SIGSEGV line
 
 
 def run_python(source: str, timeout: float = 120, spawn: bool = False):
@@ -297,7 +299,10 @@ def test_release_physical_keeps_views_and_recommit_revives_them():
     buf.free()
 
 
-def test_after_release_physical_the_cpu_reads_zeros_and_a_write_faults():
+@pytest.mark.parametrize("debug", ["0", "1"], ids=["normal", "debug"])
+def test_after_release_physical_the_cpu_reads_zeros_and_a_write_faults(monkeypatch, debug):
+    """Without debug mode; with it (``JAXBUF_DEBUG=1``) the read faults already, as on CUDA."""
+    monkeypatch.setenv("JAXBUF_DEBUG", debug)
     result = run_python("""
         import jaxbuf
         buf = jaxbuf.ExtensibleTensor(2 << 20, device="cpu")
@@ -309,9 +314,13 @@ def test_after_release_physical_the_cpu_reads_zeros_and_a_write_faults():
         array[0] = 1
         print("WROTE", flush=True)
     """)
-    assert "released 0" in result.stdout, (result.stdout, result.stderr[-3000:])
     assert result.returncode == -signal.SIGSEGV, (result.returncode, result.stderr[-3000:])
     assert "WROTE" not in result.stdout
+    if debug == "1":
+        assert "released" not in result.stdout, result.stdout
+        assert "(CPU driver, debug mode)" in result.stderr or not HAS_HINT, result.stderr[-3000:]
+    else:
+        assert "released 0" in result.stdout, (result.stdout, result.stderr[-3000:])
 
 
 # -- free() means "I am done" --------------------------------------------------------------
