@@ -467,8 +467,11 @@ class ExtensibleTensor(SegmentedReservation):
             # mapped; a refusal (a transfer in flight) propagates before anything changes.
             buffer.remove_all_mapping_listeners()
         try:
-            if self._lifetime.closed:  # a release that failed before: retry it
-                self._release_now(buffer)
+            if self._lifetime.closed:
+                # A release that failed before: retry it. Unless exports hold the memory: a
+                # free() interrupted after the close left it to them, the last one releases it.
+                if not self._lifetime.live_exports:
+                    self._release_now(buffer)
             else:
                 self._lifetime.close(self._release_now)
         finally:

@@ -324,6 +324,64 @@ def test_after_release_physical_the_cpu_reads_zeros_and_a_write_faults(monkeypat
 
 
 # -- free() means "I am done" --------------------------------------------------------------
+INTERRUPTED_FREE_OWNERS = {
+    "ExtensibleTensor": """
+        owner = jaxbuf.ExtensibleTensor(4 << 20, device="cpu")
+        owner.resize_per_segment_(1 << 20, zero_new=True)
+        array, free = owner.segment_view(0).to_numpy(), owner.free
+    """,
+    "StagedWriteTensor": """
+        owner = jaxbuf.StagedWriteTensor((64, 64), "int32", device="cpu")
+        array, free = owner.to_numpy(), owner.free
+    """,
+    "ImportedBuffer": """
+        from jaxbuf.sharing import ImportedBuffer, export_layout
+        source = jaxbuf.ExtensibleTensor(4 << 20, device="cpu")
+        source.resize_per_segment_(1 << 20, zero_new=True)
+        layout, fds = export_layout(source)
+        owner = ImportedBuffer(layout, list(fds))
+        array, free = owner.segment_view(0).to_numpy(), owner.close
+    """,
+}
+
+
+@pytest.mark.parametrize("owner", INTERRUPTED_FREE_OWNERS)
+def test_a_free_interrupted_after_its_close_leaves_the_memory_to_the_exports(owner):
+    """The timer signal right after the close left the memory to a live export: the retried
+    ``free()`` must not release it under the export (it did: ``SIGSEGV`` at the next read);
+    the export keeps reading it and releases it when it goes."""
+    result = run_python(
+        """
+        import gc
+        import jaxbuf
+        from jaxbuf import _owner
+        """
+        + INTERRUPTED_FREE_OWNERS[owner]
+        + """
+        array[:] = 5
+        close = _owner.Lifetime.close
+        def interrupted(self, release_now):
+            _owner.Lifetime.close = close
+            close(self, release_now)
+            raise KeyboardInterrupt  # the timer signal, just after the close
+        _owner.Lifetime.close = interrupted
+        try:
+            free()
+        except KeyboardInterrupt:
+            pass
+        free()  # the retry
+        assert not owner.released
+        print("read", int(array.max()), flush=True)
+        del array
+        gc.collect()
+        assert owner.released
+        print("done", flush=True)
+        """
+    )
+    assert "read 5" in result.stdout, (result.returncode, result.stdout, result.stderr[-3000:])
+    assert_clean_exit(result)
+
+
 def _grown(driver=None, fill: int = 7):
     """A one-segment buffer with 4096 committed bytes set to ``fill``."""
     buf = jaxbuf.ExtensibleTensor(GRANULE, "cpu", driver=driver)

@@ -541,7 +541,10 @@ class ImportedBuffer(SegmentedReservation):
                 self._mappings = None
                 return
             mappings = self._mappings
-            if mappings is not None:  # closed, but the release failed: retry it
+            if mappings is not None and self._lifetime.live_exports:
+                # A close() interrupted right after the close: the exports hold the mappings.
+                self._mappings = None
+            elif mappings is not None:  # closed, but the release failed: retry it
                 self._release_now(mappings)
                 self._mappings = None
         finally:
