@@ -463,7 +463,8 @@ class ImportedBuffer(SegmentedReservation):
     def full_view(self) -> BufferView:
         """Uint8 view over the whole reservation: as :meth:`ExtensibleTensor.full_view
         <jaxbuf.ExtensibleTensor.full_view>`, only the committed prefixes may be touched (on
-        the CPU the rest reads zeros, a write faults); a copy reads committed bytes only."""
+        the CPU the rest reads zeros, or faults in debug mode, a write faults); a copy reads
+        committed bytes only."""
         return self._view(0, self._reserved_size)
 
     # -- the owner contract (jaxbuf._owner.MemoryOwner): hot path, one read each ----------
