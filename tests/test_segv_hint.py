@@ -8,6 +8,7 @@ are in ``tests/test_debug_mode.py``)."""
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -27,18 +28,20 @@ buf = ExtensibleTensor(4 << 20, device="cpu")
 buf.resize_per_segment_(1 << 20)
 """
 
+# The hint tells a write from a read in debug mode where the signal context says (x86-64).
+A_WRITE_TO = "a write to " if platform.machine() == "x86_64" else "a read or write of "
 # case: (code, the cause the line names without debug mode, with it)
 CASES = {
     "release_physical": (
         "view = np.from_dlpack(buf.segment_view(0))\nbuf.release_physical()\nview[:] = 1",
         "(CPU driver), not committed there: likely a write through a view after release_physical()",
-        "(CPU driver, debug mode): a read or write of uncommitted or released memory (likely "
+        f"(CPU driver, debug mode): {A_WRITE_TO}uncommitted or released memory (likely "
         "through a view after release_physical()",
     ),
     "past the committed bytes": (
         "full = np.from_dlpack(buf.full_view())\nfull[-1] = 1",
         "(CPU driver), not committed there: likely a write past the committed bytes",
-        "(CPU driver, debug mode): a read or write of uncommitted memory (likely past the "
+        f"(CPU driver, debug mode): {A_WRITE_TO}uncommitted memory (likely past the "
         "committed bytes)",
     ),
     "free": (

@@ -135,6 +135,7 @@ static PyObject *copy_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
  * so a fault in another thread during an update reads, at worst, a stale entry: a wrong
  * hint, never a crash. A fault at an address no entry covers passes on without a word. */
 #include <signal.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 /* WATCH_STRICT: a debug-mode reservation, PROT_NONE where uncommitted (a read faults too). */
@@ -167,6 +168,21 @@ static void put_hex(char *buffer, size_t *at, size_t cap, uintptr_t value) {
 
 static volatile sig_atomic_t handling;
 
+/* What the faulting access was, where the signal context says: on x86-64 Linux the page
+ * fault's error code (its bit 1: a write); elsewhere unknown. */
+#if defined(__linux__) && defined(__x86_64__) && defined(REG_ERR)
+static const char *access_kind(void *context) {
+    if (context == NULL) return "a read or write of ";
+    return (((ucontext_t *)context)->uc_mcontext.gregs[REG_ERR] & 2) ? "a write to "
+                                                                      : "a read of ";
+}
+#else
+static const char *access_kind(void *context) {
+    (void)context;
+    return "a read or write of ";
+}
+#endif
+
 static void explain_segv(int signum, siginfo_t *info, void *context) {
     /* Entered again while handing a fault on (a handler we chained to restored this one
      * and raised the signal): the default, at once. */
@@ -193,15 +209,18 @@ static void explain_segv(int signum, siginfo_t *info, void *context) {
             if (state & WATCH_FREED)
                 put_text(line, &at, sizeof line,
                          " (CPU driver), freed: likely a view or raw pointer used after free()");
-            else if ((state & WATCH_STRICT) && (state & WATCH_RELEASED))
-                put_text(line, &at, sizeof line,
-                         " (CPU driver, debug mode): a read or write of uncommitted or released "
-                         "memory (likely through a view after release_physical(), a shrink or a "
-                         "defragment, or past the committed bytes)");
-            else if (state & WATCH_STRICT)
-                put_text(line, &at, sizeof line,
-                         " (CPU driver, debug mode): a read or write of uncommitted memory "
-                         "(likely past the committed bytes)");
+            else if (state & WATCH_STRICT) {
+                put_text(line, &at, sizeof line, " (CPU driver, debug mode): ");
+                put_text(line, &at, sizeof line, access_kind(context));
+                if (state & WATCH_RELEASED)
+                    put_text(line, &at, sizeof line,
+                             "uncommitted or released memory (likely through a view after "
+                             "release_physical(), a shrink or a defragment, or past the "
+                             "committed bytes)");
+                else
+                    put_text(line, &at, sizeof line,
+                             "uncommitted memory (likely past the committed bytes)");
+            }
             else if (state & WATCH_RELEASED)
                 put_text(line, &at, sizeof line,
                          " (CPU driver), not committed there: likely a write through a view "
