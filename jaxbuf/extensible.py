@@ -272,10 +272,11 @@ class ExtensibleTensor(SegmentedReservation):
 
         What may be touched: the committed prefix of each segment (:attr:`committed_sizes`,
         from :attr:`segment_offsets`), read and written. Beyond it, on the CPU driver,
-        reading gives zeros and writing faults (``SIGSEGV``); on CUDA any access faults the
-        context. A copy (``__dlpack__(copy=True)``, ``np.from_dlpack(view, copy=True)``)
-        reads only committed bytes and holds zeros elsewhere, on every platform; printing a
-        framework array of this view on the CPU shows those zeros.
+        reading gives zeros (in debug mode, ``JAXBUF_DEBUG=1``, it faults) and writing faults
+        (``SIGSEGV``); on CUDA any access faults the context. A copy
+        (``__dlpack__(copy=True)``, ``np.from_dlpack(view, copy=True)``) reads only committed
+        bytes and holds zeros elsewhere, on every platform; printing a framework array of this
+        view on the CPU shows those zeros (without debug mode).
         """
         return self._view(0, self._extent)
 
@@ -417,9 +418,9 @@ class ExtensibleTensor(SegmentedReservation):
         Waits first for the frameworks' pending work (:func:`jaxbuf.interop.quiesce`), as
         :meth:`free` does, then for the device. Every committed size becomes 0. The one
         operation that invalidates live arrays: they keep their address; until a grow, on the
-        CPU reading them gives zeros and writing faults (``SIGSEGV``), on CUDA any access
-        faults. After a grow they work (fresh CPU memory reads zeros; CUDA memory is
-        undefined without ``zero_new``).
+        CPU reading them gives zeros (in debug mode, ``JAXBUF_DEBUG=1``, it faults) and
+        writing faults (``SIGSEGV``), on CUDA any access faults. After a grow they work
+        (fresh CPU memory reads zeros; CUDA memory is undefined without ``zero_new``).
 
         A mapping listener (:meth:`add_mapping_listener`) that refuses raises here with
         nothing changed; a driver failure while releasing still drops the sizes.
@@ -467,8 +468,11 @@ class ExtensibleTensor(SegmentedReservation):
             # mapped; a refusal (a transfer in flight) propagates before anything changes.
             buffer.remove_all_mapping_listeners()
         try:
-            if self._lifetime.closed:  # a release that failed before: retry it
-                self._release_now(buffer)
+            if self._lifetime.closed:
+                # A release that failed before: retry it. Unless exports hold the memory: a
+                # free() interrupted after the close left it to them, the last one releases it.
+                if not self._lifetime.live_exports:
+                    self._release_now(buffer)
             else:
                 self._lifetime.close(self._release_now)
         finally:

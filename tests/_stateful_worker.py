@@ -131,6 +131,8 @@ class World:
         self.device = device
         self.framework = framework
         self.driver = _interruptible_driver()(get_vmm_driver(device))
+        # Debug mode (JAXBUF_DEBUG=1): the CPU faults on uncommitted reads, as CUDA does.
+        self.strict = device != "cpu" or getattr(get_vmm_driver(device), "debug", False)
         self.ets: dict[int, EtModel] = {}
         self.exports: list[Export] = []
         self.pools: dict[int, dict] = {}
@@ -309,13 +311,13 @@ class World:
 
     def et_export_full(self, slot, kind, copy):
         """``full_view()`` exported as ``kind`` (a copy when ``copy``): committed bytes as the
-        model says, zeros beyond them. Zero-copy only on the CPU (on CUDA an uncommitted
-        address must never be touched)."""
+        model says, zeros beyond them. Zero-copy only on the CPU without debug mode (on CUDA,
+        and in debug mode, an uncommitted address must never be touched)."""
         model = self._et(slot)
         if model is None:
             return "no tensor"
-        if not copy and self.device != "cpu":
-            return "copies only on CUDA"
+        if not copy and self.strict:
+            return "copies only on CUDA and in debug mode"
         try:
             view = model.obj.full_view()
             if copy and kind == "torch":
@@ -423,7 +425,7 @@ class World:
         for export in self.exports:
             # A CPU full view stays readable: the reservation's pages read as zeros.
             if export.owner is model and export.zero_copy:
-                export.valid = export.full and self.device == "cpu"
+                export.valid = export.full and not self.strict
 
     def et_defragment(self, slot, fault=None):
         model = self._et(slot)

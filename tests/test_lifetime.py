@@ -9,8 +9,8 @@ Documented behaviour tested here:
   without a ``ResourceWarning`` or an unraisable exception.
 * ``release_physical()`` while views exist: views keep their address. Until memory is committed
   again, on the CPU driver the range is a read-only zero mapping: reading gives zeros (never
-  stale bytes), a write dies with ``SIGSEGV``. After a grow the same views work again; freshly
-  committed CPU memory reads zeros.
+  stale bytes), a write dies with ``SIGSEGV`` (in debug mode, ``JAXBUF_DEBUG=1``, a read
+  too). After a grow the same views work again; freshly committed CPU memory reads zeros.
 * ``free()`` means "I am done": arrays exported before it (numpy, torch, JAX,
   unconsumed capsules) keep reading their memory, ``live_exports`` counts them, and the memory
   goes with the last one (``released``); with none it goes at once. Views taken before
@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import gc
+import importlib.util
 import mmap
 import pickle
 import signal
@@ -45,6 +46,7 @@ from jaxbuf import interop
 from jaxbuf.drivers import HostVmmDriver
 
 GRANULE = 2 << 20
+HAS_HINT = importlib.util.find_spec("jaxbuf.drivers._host_calls") is not None  # the SIGSEGV line
 
 
 def run_python(source: str, timeout: float = 120, spawn: bool = False):
@@ -297,7 +299,10 @@ def test_release_physical_keeps_views_and_recommit_revives_them():
     buf.free()
 
 
-def test_after_release_physical_the_cpu_reads_zeros_and_a_write_faults():
+@pytest.mark.parametrize("debug", ["0", "1"], ids=["normal", "debug"])
+def test_after_release_physical_the_cpu_reads_zeros_and_a_write_faults(monkeypatch, debug):
+    """Without debug mode; with it (``JAXBUF_DEBUG=1``) the read faults already, as on CUDA."""
+    monkeypatch.setenv("JAXBUF_DEBUG", debug)
     result = run_python("""
         import jaxbuf
         buf = jaxbuf.ExtensibleTensor(2 << 20, device="cpu")
@@ -309,12 +314,74 @@ def test_after_release_physical_the_cpu_reads_zeros_and_a_write_faults():
         array[0] = 1
         print("WROTE", flush=True)
     """)
-    assert "released 0" in result.stdout, (result.stdout, result.stderr[-3000:])
     assert result.returncode == -signal.SIGSEGV, (result.returncode, result.stderr[-3000:])
     assert "WROTE" not in result.stdout
+    if debug == "1":
+        assert "released" not in result.stdout, result.stdout
+        assert "(CPU driver, debug mode)" in result.stderr or not HAS_HINT, result.stderr[-3000:]
+    else:
+        assert "released 0" in result.stdout, (result.stdout, result.stderr[-3000:])
 
 
 # -- free() means "I am done" --------------------------------------------------------------
+INTERRUPTED_FREE_OWNERS = {
+    "ExtensibleTensor": """
+        owner = jaxbuf.ExtensibleTensor(4 << 20, device="cpu")
+        owner.resize_per_segment_(1 << 20, zero_new=True)
+        array, free = owner.segment_view(0).to_numpy(), owner.free
+    """,
+    "StagedWriteTensor": """
+        owner = jaxbuf.StagedWriteTensor((64, 64), "int32", device="cpu")
+        array, free = owner.to_numpy(), owner.free
+    """,
+    "ImportedBuffer": """
+        from jaxbuf.sharing import ImportedBuffer, export_layout
+        source = jaxbuf.ExtensibleTensor(4 << 20, device="cpu")
+        source.resize_per_segment_(1 << 20, zero_new=True)
+        layout, fds = export_layout(source)
+        owner = ImportedBuffer(layout, list(fds))
+        array, free = owner.segment_view(0).to_numpy(), owner.close
+    """,
+}
+
+
+@pytest.mark.parametrize("owner", INTERRUPTED_FREE_OWNERS)
+def test_a_free_interrupted_after_its_close_leaves_the_memory_to_the_exports(owner):
+    """The timer signal right after the close left the memory to a live export: the retried
+    ``free()`` must not release it under the export (it did: ``SIGSEGV`` at the next read);
+    the export keeps reading it and releases it when it goes."""
+    result = run_python(
+        """
+        import gc
+        import jaxbuf
+        from jaxbuf import _owner
+        """
+        + INTERRUPTED_FREE_OWNERS[owner]
+        + """
+        array[:] = 5
+        close = _owner.Lifetime.close
+        def interrupted(self, release_now):
+            _owner.Lifetime.close = close
+            close(self, release_now)
+            raise KeyboardInterrupt  # the timer signal, just after the close
+        _owner.Lifetime.close = interrupted
+        try:
+            free()
+        except KeyboardInterrupt:
+            pass
+        free()  # the retry
+        assert not owner.released
+        print("read", int(array.max()), flush=True)
+        del array
+        gc.collect()
+        assert owner.released
+        print("done", flush=True)
+        """
+    )
+    assert "read 5" in result.stdout, (result.returncode, result.stdout, result.stderr[-3000:])
+    assert_clean_exit(result)
+
+
 def _grown(driver=None, fill: int = 7):
     """A one-segment buffer with 4096 committed bytes set to ``fill``."""
     buf = jaxbuf.ExtensibleTensor(GRANULE, "cpu", driver=driver)

@@ -119,8 +119,9 @@ static PyObject *copy_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
 
 /* -- a segmentation fault that explains itself ---------------------------------------------
  *
- * The CPU driver maps every uncommitted byte of a reservation read-only (a write faults) and
- * parks a freed reservation PROT_NONE (any access faults): a view or raw pointer that outlives
+ * The CPU driver maps every uncommitted byte of a reservation read-only (a write faults; in
+ * debug mode PROT_NONE, so a read faults too) and parks a freed reservation PROT_NONE (any
+ * access faults): a view or raw pointer that outlives
  * its memory ends the process with SIGSEGV. The driver tells this table about each
  * reservation as it changes; a SIGSEGV handler, installed at the first reservation, looks the
  * faulting address up and writes one line naming jaxbuf, the reservation and the likely cause
@@ -134,9 +135,11 @@ static PyObject *copy_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
  * so a fault in another thread during an update reads, at worst, a stale entry: a wrong
  * hint, never a crash. A fault at an address no entry covers passes on without a word. */
 #include <signal.h>
+#include <ucontext.h>
 #include <unistd.h>
 
-enum { WATCH_RESERVED = 1, WATCH_RELEASED = 2, WATCH_FREED = 4 };
+/* WATCH_STRICT: a debug-mode reservation, PROT_NONE where uncommitted (a read faults too). */
+enum { WATCH_RESERVED = 1, WATCH_RELEASED = 2, WATCH_FREED = 4, WATCH_STRICT = 8 };
 #define WATCH_SLOTS 4096
 
 typedef struct {
@@ -165,6 +168,21 @@ static void put_hex(char *buffer, size_t *at, size_t cap, uintptr_t value) {
 
 static volatile sig_atomic_t handling;
 
+/* What the faulting access was, where the signal context says: on x86-64 Linux the page
+ * fault's error code (its bit 1: a write); elsewhere unknown. */
+#if defined(__linux__) && defined(__x86_64__) && defined(REG_ERR)
+static const char *access_kind(void *context) {
+    if (context == NULL) return "a read or write of ";
+    return (((ucontext_t *)context)->uc_mcontext.gregs[REG_ERR] & 2) ? "a write to "
+                                                                      : "a read of ";
+}
+#else
+static const char *access_kind(void *context) {
+    (void)context;
+    return "a read or write of ";
+}
+#endif
+
 static void explain_segv(int signum, siginfo_t *info, void *context) {
     /* Entered again while handing a fault on (a handler we chained to restored this one
      * and raised the signal): the default, at once. */
@@ -191,6 +209,18 @@ static void explain_segv(int signum, siginfo_t *info, void *context) {
             if (state & WATCH_FREED)
                 put_text(line, &at, sizeof line,
                          " (CPU driver), freed: likely a view or raw pointer used after free()");
+            else if (state & WATCH_STRICT) {
+                put_text(line, &at, sizeof line, " (CPU driver, debug mode): ");
+                put_text(line, &at, sizeof line, access_kind(context));
+                if (state & WATCH_RELEASED)
+                    put_text(line, &at, sizeof line,
+                             "uncommitted or released memory (likely through a view after "
+                             "release_physical(), a shrink or a defragment, or past the "
+                             "committed bytes)");
+                else
+                    put_text(line, &at, sizeof line,
+                             "uncommitted memory (likely past the committed bytes)");
+            }
             else if (state & WATCH_RELEASED)
                 put_text(line, &at, sizeof line,
                          " (CPU driver), not committed there: likely a write through a view "
@@ -293,7 +323,8 @@ static PyObject *watch_reservation(PyObject *module, PyObject *const *args, Py_s
 }
 
 /* mark_reservation(ptr, size, state) -> None: add WATCH_* bits to the reservation holding
- * [ptr, ptr + size): 2 when a range of it is unmapped, 4 when it is freed. */
+ * [ptr, ptr + size): 2 when a range of it is unmapped, 4 when it is freed, 8 when it is a
+ * debug-mode (PROT_NONE) reservation. */
 static PyObject *mark_reservation(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     uintptr_t start, end;
@@ -314,7 +345,8 @@ static PyMethodDef host_calls_methods[] = {
     {"watch_reservation", (PyCFunction)(void (*)(void))watch_reservation, METH_FASTCALL,
      "watch_reservation(ptr, size) -> None: a SIGSEGV inside it names jaxbuf and the cause"},
     {"mark_reservation", (PyCFunction)(void (*)(void))mark_reservation, METH_FASTCALL,
-     "mark_reservation(ptr, size, bits) -> None: 2: a range of it was unmapped; 4: freed"},
+     "mark_reservation(ptr, size, bits) -> None: 2: a range of it was unmapped; 4: freed; "
+     "8: debug mode"},
     {"copy_batch", (PyCFunction)(void (*)(void))copy_batch, METH_FASTCALL,
      "copy_batch(dsts, srcs, sizes) -> None: memmove of each (dst, src, size) of three 1-D "
      "uint64 arrays, in order, with the GIL released"},

@@ -91,7 +91,8 @@ def check_args(
 
 # Linux values; Python's mmap module exports none of PROT_NONE, MAP_FIXED, MAP_NORESERVE.
 PROT_NONE = 0
-# Reservations (and unmapped ranges) read as zeros and fault on writes; see the docstring.
+# Reservations (and unmapped ranges) read as zeros and fault on writes; in debug mode they are
+# PROT_NONE instead (a read faults too). See the host driver's docstring.
 PROT_RESERVED = mmap.PROT_READ
 PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
 MAP_FIXED = 0x10  # the same on every Linux architecture

@@ -10,15 +10,17 @@ try:  # optional (setup.py)
 except ImportError:
     _host_calls = None
 
-__all__ = ["FREED", "UNMAPPED", "watch"]
+__all__ = ["FREED", "STRICT", "UNMAPPED", "watch"]
 
-# What the hint says a reservation went through (the bits of _host_calls.c).
-UNMAPPED, FREED = 2, 4
+# What the hint says a reservation went through (the bits of _host_calls.c); STRICT: a
+# debug-mode reservation, PROT_NONE where uncommitted, so a read faults there too.
+UNMAPPED, FREED, STRICT = 2, 4, 8
 
 
 def watch(ptr: int, size: int, bits: int = 0) -> None:
     """Tell the hint of a new reservation (``bits=0``) or of what befell one
-    (:data:`UNMAPPED`, :data:`FREED`); nothing without the extension."""
+    (:data:`UNMAPPED`, :data:`FREED`), or that it is strict (:data:`STRICT`); nothing without
+    the extension."""
     if _host_calls is None:
         return
     if bits:

@@ -4,10 +4,13 @@
 VMM call            host implementation
 ==================  ==========================================================
 ``reserve``         ``mmap(PROT_READ, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)``: reads zeros
+                    (debug mode: ``PROT_NONE``, so a read faults too)
 ``create``          ``memfd_create`` + ``ftruncate`` (+ ``posix_fallocate``), mode 0600, sealed
 ``map``             ``mmap(fd, MAP_SHARED|MAP_FIXED)`` at the address, then ``close(fd)``
-``unmap``           ``mmap(PROT_READ, ... MAP_FIXED)`` over the range (reserved, reads zeros)
+``unmap``           ``mmap(PROT_READ, ... MAP_FIXED)`` over the range (reserved, reads zeros;
+                    debug mode: ``PROT_NONE``)
 ``move_mapping``    ``mremap(MREMAP_FIXED|MREMAP_DONTUNMAP)``, then the source re-reserved
+                    (as by ``unmap``)
 ``export_handle``   ``open("/proc/self/map_files/<start>-<end>")`` of the chunk's mapping
 ``import_handle``   ``dup`` of the received memfd (mapped, then closed, like a created chunk)
                     after checking its seals; a read-only descriptor is mapped ``PROT_READ``
@@ -22,6 +25,17 @@ page: no memory, no commit charge, as ``MAP_NORESERVE`` and read-only), writing 
 ``full_view()``, a view kept over ``release_physical()``) shows zeros there instead of killing
 the process; only a write there is fatal. CUDA has no such mapping: there an uncommitted
 address faults the context, and only committed bytes may be touched at all.
+
+**Debug mode.** ``HostVmmDriver(debug=True)``, or ``JAXBUF_DEBUG=1`` in the environment when
+the driver is built (the shared CPU driver is built at the first CPU buffer of the process, so
+set it before that; see :mod:`jaxbuf._debug`), maps reservations and every released range
+``PROT_NONE`` instead: a *read* of uncommitted or released memory then faults as on CUDA
+(``SIGSEGV``, with the hint line saying so) instead of returning zeros. Committed memory
+behaves the same in both modes, and so does the cost of growing and releasing (the same
+``mmap`` calls, another protection). A driver decides once, when built
+(:attr:`HostVmmDriver.debug`): every range of its reservations has one protection. The
+kernel protects whole pages and the buffers commit whole granules (2 MiB on the CPU), so bytes
+past a committed size but inside its last granule stay readable and writable in both modes.
 
 **Sealed chunks.** Every chunk's memfd is created with ``MFD_ALLOW_SEALING`` and sealed
 ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``: whoever holds a descriptor of it (a peer it was
@@ -65,6 +79,7 @@ import sys
 import threading
 from collections import deque
 
+from jaxbuf._debug import debug_enabled
 from jaxbuf._interrupts import deferred_interrupts
 from jaxbuf.drivers import _posix as posix
 from jaxbuf.drivers._posix import (
@@ -76,7 +91,7 @@ from jaxbuf.drivers._posix import (
     munmap_or_raise,
     typed_libc,
 )
-from jaxbuf.drivers._segv_hint import FREED, UNMAPPED, watch
+from jaxbuf.drivers._segv_hint import FREED, STRICT, UNMAPPED, watch
 from jaxbuf.drivers.base import (
     K_DL_CPU,
     DriverError,
@@ -147,6 +162,10 @@ class HostVmmDriver(VmmDriver):
     at most a quarter of a finite ``RLIMIT_AS``) and ``quarantine_ranges`` ranges (default
     4096). ``quarantine_bytes=0`` unmaps at once, as plain ``munmap``.
 
+    ``debug`` (``True``/``False``; ``None``: ``JAXBUF_DEBUG`` now) is read once, here, and kept
+    as :attr:`debug`: uncommitted and released ranges are then ``PROT_NONE`` (any access
+    faults) instead of readable zeros. See "Debug mode" in the module docstring.
+
     Thread-safe: the one shared instance serves every thread; calls on distinct allocations
     may run concurrently (callers serialize calls on the same allocation).
     """
@@ -156,7 +175,16 @@ class HostVmmDriver(VmmDriver):
     dlpack_host_device_type = K_DL_CPU
     host_alloc_zeroed = True  # a fresh anonymous mmap: the kernel zeroes its pages
 
-    def __init__(self, *, quarantine_bytes: int = 64 << 30, quarantine_ranges: int = 4096) -> None:
+    def __init__(
+        self,
+        *,
+        quarantine_bytes: int = 64 << 30,
+        quarantine_ranges: int = 4096,
+        debug: bool | None = None,
+    ) -> None:
+        self.debug = debug_enabled(debug)  # TypeError for a bad override, before anything
+        # Uncommitted memory: readable zeros, or (debug) no access at all, as on CUDA.
+        self._reserved_prot = posix.PROT_NONE if self.debug else posix.PROT_RESERVED
         for name, value in (
             ("quarantine_bytes", quarantine_bytes),
             ("quarantine_ranges", quarantine_ranges),
@@ -171,7 +199,7 @@ class HostVmmDriver(VmmDriver):
         self._quarantine_lock = threading.Lock()  # the driver is shared between threads
 
     def __repr__(self) -> str:
-        return "HostVmmDriver()"
+        return "HostVmmDriver(debug=True)" if self.debug else "HostVmmDriver()"
 
     @property
     def quarantined(self) -> tuple[int, int]:
@@ -221,7 +249,7 @@ class HostVmmDriver(VmmDriver):
             raise DriverError("reserve", "EINVAL", size=size, alignment=alignment)
         if alignment <= mmap.PAGESIZE:
             base = self._reserve_address_space(size, alignment)
-            watch(base, size)
+            self._watch(base, size)
             return base
         # mmap only promises page alignment: over-reserve, then trim both ends.
         padded = size + alignment - mmap.PAGESIZE
@@ -235,21 +263,27 @@ class HostVmmDriver(VmmDriver):
         except DriverError:
             munmap_or_raise(raw, padded)  # unmapping already-trimmed pieces is harmless
             raise
-        watch(base, size)
+        self._watch(base, size)
         return base
+
+    def _watch(self, base: int, size: int) -> None:
+        """Tell the SIGSEGV hint of a new reservation, and that a read in it faults too."""
+        watch(base, size)
+        if self.debug:
+            watch(base, size, STRICT)
 
     def _reserve_address_space(self, size: int, alignment: int) -> int:
         """A fresh reservation; on ``ENOMEM`` the quarantine is drained, then one retry."""
         try:
             return mmap_or_raise(
-                None, size, posix.PROT_RESERVED, posix.MAP_RESERVE_FLAGS, -1, alignment=alignment
+                None, size, self._reserved_prot, posix.MAP_RESERVE_FLAGS, -1, alignment=alignment
             )
         except DriverError as error:
             if error.error_name != "ENOMEM" or not self.quarantined[0]:
                 raise
             self.flush_quarantine()
         return mmap_or_raise(
-            None, size, posix.PROT_RESERVED, posix.MAP_RESERVE_FLAGS, -1, alignment=alignment
+            None, size, self._reserved_prot, posix.MAP_RESERVE_FLAGS, -1, alignment=alignment
         )
 
     def _quarantine_budget(self) -> int:
@@ -365,12 +399,12 @@ class HostVmmDriver(VmmDriver):
 
     def unmap(self, ptr: int, size: int) -> None:
         check_args("mmap", size, ptr)
-        # One MAP_FIXED call swaps the shared pages for a fresh reservation (reading zeros);
+        # One MAP_FIXED call swaps the shared pages for a fresh reservation (as reserve's);
         # munmap + mmap would leave a window in which another thread could take the range.
         mmap_or_raise(
             ptr,
             size,
-            posix.PROT_RESERVED,
+            self._reserved_prot,
             posix.MAP_RESERVE_FLAGS | posix.MAP_FIXED,
             -1,
             ptr=hex(ptr),
@@ -379,7 +413,7 @@ class HostVmmDriver(VmmDriver):
 
     def move_mapping(self, handle: HostChunk, src_ptr: int, dst_ptr: int, size: int) -> None:
         """Move the chunk's mapping with ``mremap`` (the pages move, nothing is copied), then
-        re-reserve the source range with one ``MAP_FIXED`` reservation mapping (reads zeros).
+        re-reserve the source range with one ``MAP_FIXED`` reservation mapping (as ``unmap`` does).
 
         ``MREMAP_DONTUNMAP`` (Linux >= 5.13 for shared mappings) keeps the source range
         mapped until the re-reservation replaces it, so no other thread can take it in
@@ -427,7 +461,7 @@ class HostVmmDriver(VmmDriver):
             mmap_or_raise(
                 src_ptr,
                 size,
-                posix.PROT_RESERVED,
+                self._reserved_prot,
                 reserve_flags,
                 -1,
                 ptr=hex(src_ptr),
@@ -442,7 +476,7 @@ class HostVmmDriver(VmmDriver):
                     mmap_or_raise(
                         dst_ptr,
                         size,
-                        posix.PROT_RESERVED,
+                        self._reserved_prot,
                         posix.MAP_RESERVE_FLAGS | posix.MAP_FIXED_NOREPLACE,
                         -1,
                         ptr=hex(dst_ptr),

@@ -463,7 +463,8 @@ class ImportedBuffer(SegmentedReservation):
     def full_view(self) -> BufferView:
         """Uint8 view over the whole reservation: as :meth:`ExtensibleTensor.full_view
         <jaxbuf.ExtensibleTensor.full_view>`, only the committed prefixes may be touched (on
-        the CPU the rest reads zeros, a write faults); a copy reads committed bytes only."""
+        the CPU the rest reads zeros, or faults in debug mode, a write faults); a copy reads
+        committed bytes only."""
         return self._view(0, self._reserved_size)
 
     # -- the owner contract (jaxbuf._owner.MemoryOwner): hot path, one read each ----------
@@ -541,7 +542,10 @@ class ImportedBuffer(SegmentedReservation):
                 self._mappings = None
                 return
             mappings = self._mappings
-            if mappings is not None:  # closed, but the release failed: retry it
+            if mappings is not None and self._lifetime.live_exports:
+                # A close() interrupted right after the close: the exports hold the mappings.
+                self._mappings = None
+            elif mappings is not None:  # closed, but the release failed: retry it
                 self._release_now(mappings)
                 self._mappings = None
         finally:

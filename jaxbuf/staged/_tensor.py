@@ -437,8 +437,10 @@ class StagedWriteTensor:
             self.num_rows = 0  # every later stage_write fails its bounds check (and says why)
             if lifetime.close(self._release):
                 return
-            # Exported arrays use the memory: the last to go releases it (_Target.__del__).
-            # Ours are only the writes in flight and the writer's slots.
+        if lifetime.live_exports:
+            # Exported arrays use the memory (also after a free() interrupted right after the
+            # close): the last to go releases it (_Target.__del__). Ours are only the writes
+            # in flight and the writer's slots.
             self._allocation = None
         self._release(self._allocation)  # also the retry after a failed free()
 
