@@ -1,7 +1,9 @@
 """Debug mode: the CPU made as strict as a GPU where it would otherwise stay silent.
 
-``JAXBUF_DEBUG=1`` in the environment (read on every check, so a test can set it) turns it
-on; an argument named ``debug`` overrides it for one object. Off by default: each check costs
+``JAXBUF_DEBUG=1`` in the environment turns it on; an argument named ``debug`` overrides it
+for one object. Each object reads it when it is made: a ``KVCacheStep`` at construction, the
+CPU driver once, when the process makes its first CPU buffer (so a reservation never mixes
+protections). Off by default: each check costs
 time or memory that a serving loop should not pay. What it changes is listed in
 ``docs/JAX_SEMANTICS.md``.
 """
