@@ -73,11 +73,8 @@ import fcntl
 import functools
 import mmap
 import os
-import resource
 import stat
 import sys
-import threading
-from collections import deque
 
 from jaxbuf._debug import debug_enabled
 from jaxbuf._interrupts import deferred_interrupts
@@ -91,6 +88,7 @@ from jaxbuf.drivers._posix import (
     munmap_or_raise,
     typed_libc,
 )
+from jaxbuf.drivers._quarantine import Quarantine
 from jaxbuf.drivers._segv_hint import FREED, STRICT, UNMAPPED, watch
 from jaxbuf.drivers.base import (
     K_DL_CPU,
@@ -158,9 +156,10 @@ class HostVmmDriver(VmmDriver):
 
     State: ``_host_allocations`` (``host_ptr -> size`` of live :meth:`host_alloc` blocks), so
     :meth:`host_free` knows what to ``munmap``; and the quarantine of freed reservations (see
-    the module docstring), bounded by ``quarantine_bytes`` of address space (default 64 GiB,
-    at most a quarter of a finite ``RLIMIT_AS``) and ``quarantine_ranges`` ranges (default
-    4096). ``quarantine_bytes=0`` unmaps at once, as plain ``munmap``.
+    the module docstring and :mod:`jaxbuf.drivers._quarantine`), bounded by
+    ``quarantine_bytes`` of address space (default 64 GiB, at most a quarter of a finite
+    ``RLIMIT_AS``) and ``quarantine_ranges`` ranges (default 4096). ``quarantine_bytes=0``
+    unmaps at once, as plain ``munmap``.
 
     ``debug`` (``True``/``False``; ``None``: ``JAXBUF_DEBUG`` now) is read once, here, and kept
     as :attr:`debug`: uncommitted and released ranges are then ``PROT_NONE`` (any access
@@ -185,35 +184,36 @@ class HostVmmDriver(VmmDriver):
         self.debug = debug_enabled(debug)  # TypeError for a bad override, before anything
         # Uncommitted memory: readable zeros, or (debug) no access at all, as on CUDA.
         self._reserved_prot = posix.PROT_NONE if self.debug else posix.PROT_RESERVED
-        for name, value in (
-            ("quarantine_bytes", quarantine_bytes),
-            ("quarantine_ranges", quarantine_ranges),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        self._quarantine = Quarantine(quarantine_bytes, quarantine_ranges)
         self._host_allocations: dict[int, int] = {}
-        self.quarantine_bytes = quarantine_bytes
-        self.quarantine_ranges = quarantine_ranges
-        self._quarantine: deque[tuple[int, int]] = deque()  # (ptr, size), oldest first
-        self._quarantined_bytes = 0
-        self._quarantine_lock = threading.Lock()  # the driver is shared between threads
 
     def __repr__(self) -> str:
         return "HostVmmDriver(debug=True)" if self.debug else "HostVmmDriver()"
 
     @property
+    def quarantine_bytes(self) -> int:
+        return self._quarantine.max_bytes
+
+    @quarantine_bytes.setter
+    def quarantine_bytes(self, value: int) -> None:  # applied at the next free
+        self._quarantine.max_bytes = value
+
+    @property
+    def quarantine_ranges(self) -> int:
+        return self._quarantine.max_ranges
+
+    @quarantine_ranges.setter
+    def quarantine_ranges(self, value: int) -> None:
+        self._quarantine.max_ranges = value
+
+    @property
     def quarantined(self) -> tuple[int, int]:
         """``(ranges, bytes)`` of freed reservations parked as ``PROT_NONE``."""
-        with self._quarantine_lock:
-            return len(self._quarantine), self._quarantined_bytes
+        return self._quarantine.counts
 
     def flush_quarantine(self) -> None:
         """``munmap`` every parked range (their addresses may then be reused)."""
-        with self._quarantine_lock:
-            parked, self._quarantine = list(self._quarantine), deque()
-            self._quarantined_bytes = 0
-        for ptr, size in parked:
-            munmap_or_raise(ptr, size)
+        self._quarantine.flush()
 
     # -- probing --------------------------------------------------------------------
     @functools.cached_property
@@ -286,51 +286,10 @@ class HostVmmDriver(VmmDriver):
             None, size, self._reserved_prot, posix.MAP_RESERVE_FLAGS, -1, alignment=alignment
         )
 
-    def _quarantine_budget(self) -> int:
-        """``quarantine_bytes``, capped at a quarter of a finite ``RLIMIT_AS`` (parked ranges
-        count against it)."""
-        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-        if soft == resource.RLIM_INFINITY:
-            return self.quarantine_bytes
-        return min(self.quarantine_bytes, soft // 4)
-
     def free_reserved(self, ptr: int, size: int) -> None:
         check_args("munmap", size, ptr)
         watch(ptr, size, FREED)
-        budget = self._quarantine_budget()
-        parked = False
-        if size > budget or not self.quarantine_ranges:
-            munmap_or_raise(ptr, size)
-        else:
-            # One MAP_FIXED call drops whatever is still mapped and keeps the range reserved,
-            # so a stale pointer into it faults rather than reading a later allocation's bytes.
-            try:
-                mmap_or_raise(
-                    ptr,
-                    size,
-                    posix.PROT_NONE,
-                    posix.MAP_RESERVE_FLAGS | posix.MAP_FIXED,
-                    -1,
-                    ptr=hex(ptr),
-                )
-                parked = True
-            except DriverError:  # e.g. ENOMEM at vm.max_map_count: free without the guard
-                munmap_or_raise(ptr, size)
-        # Evicted down to the budget on every call, also when this range was not parked: a
-        # lowered RLIMIT_AS lowers the budget below what is parked already.
-        evicted = []
-        with self._quarantine_lock:
-            if parked:
-                self._quarantine.append((ptr, size))
-                self._quarantined_bytes += size
-            while (
-                self._quarantined_bytes > budget or len(self._quarantine) > self.quarantine_ranges
-            ):
-                old = self._quarantine.popleft()
-                self._quarantined_bytes -= old[1]
-                evicted.append(old)
-        for old_ptr, old_size in evicted:
-            munmap_or_raise(old_ptr, old_size)
+        self._quarantine.free(ptr, size)
 
     def create(self, size: int, device_index: int) -> HostChunk:
         check_device("memfd_create", device_index)
