@@ -40,11 +40,13 @@ class JaxParamArrays(Mapping):
     same array objects. The arrays are JAX's own, made from an immutable copy of the table's
     bytes: later host writes and syncs never change them.
 
-    A JAX pytree: its leaves are the current arrays, in field order, so the mapping itself
-    is a jit argument (``step(caches, table.arrays("jax"))``) that passes each call the
-    current values without retracing; inside the traced function it is a plain dict. Never
-    donate its arrays: they serve every step until the next change. ``ClosedError`` once the
-    table is closed.
+    A JAX pytree: its leaves are the current arrays, in sorted name order (a dict's, which
+    it unflattens to), so the mapping itself is a jit argument (``step(caches,
+    table.arrays("jax"))``) that passes each call the current values without retracing;
+    inside the traced function it is a plain dict. Read inside a trace (a closure), it
+    uploads eagerly and the traced function keeps the values it read. Never donate its
+    arrays: they serve every step until the next change. ``ClosedError`` once the table is
+    closed.
     """
 
     __slots__ = ("_synced", "_names", "_layout", "_nbytes", "_device", "_snapshot")
@@ -87,7 +89,11 @@ class JaxParamArrays(Mapping):
         changed_syncs, values = self._synced.state
         uploaded, arrays = self._snapshot
         if changed_syncs != uploaded:
-            arrays = dict(zip(self._names, self._upload(values)))
+            # Eagerly even inside a trace (a jitted function reading the mapping it closes
+            # over): the snapshot serves every later access, so it must hold arrays, never
+            # that trace's tracers.
+            with jax.ensure_compile_time_eval():
+                arrays = dict(zip(self._names, self._upload(values)))
             self._snapshot = (changed_syncs, arrays)
         return arrays
 
@@ -121,14 +127,19 @@ class JaxParamArrays(Mapping):
 
 
 # -- the pytree ---------------------------------------------------------------------------
+# The leaves go in sorted name order, a dict's: the mapping unflattens to a dict, and JAX
+# matches a loop's carry (scan, fori_loop) leaf by leaf, so in field order a body returning
+# the dict would feed each field's value into another field's slot.
 def _flatten(arrays: JaxParamArrays) -> tuple[tuple[Any, ...], tuple[str, ...]]:
-    return tuple(arrays.current().values()), arrays._names
+    current = arrays.current()
+    names = tuple(sorted(current))
+    return tuple(current[name] for name in names), names
 
 
 def _flatten_with_keys(arrays: JaxParamArrays) -> tuple[tuple[Any, ...], tuple[str, ...]]:
     current = arrays.current()
-    keys = tuple((jax.tree_util.DictKey(name), array) for name, array in current.items())
-    return keys, arrays._names
+    names = tuple(sorted(current))
+    return tuple((jax.tree_util.DictKey(name), current[name]) for name in names), names
 
 
 def _unflatten(names: tuple[str, ...], leaves: Iterable[Any]) -> dict[str, Any]:

@@ -399,9 +399,12 @@ class DeviceParamTable:
             return False
         self._uploaded = None  # until the copy is enqueued: a failure leaves it unknown
         self._upload(current)
-        self._uploaded = current
+        # JAX's values before the record of the upload: an interrupt between the two leaves
+        # the upload unrecorded, so the next sync repeats both (never the device table new
+        # and JAX's values old with nothing left to sync).
         changed_syncs, _ = self._synced.state
         self._synced.state = (changed_syncs + 1, current)  # what JAX's next access uploads
+        self._uploaded = current
         return True
 
     def _upload(self, current: bytes) -> None:
