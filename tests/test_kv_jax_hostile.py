@@ -170,6 +170,30 @@ def test_an_interrupt_at_any_line_of_the_first_access_leaves_the_mapping_usable(
     assert line > 5
 
 
+@pytest.mark.parametrize(
+    "name, values, error, message",
+    [
+        ("a", ["1", "2", "x", "4"], ValueError, "invalid literal"),
+        ("a", [1, 2, None, 4], TypeError, "NoneType"),
+        ("a", [7, 2**40, 0, 0], ValueError, "field 'a' holds int32; got values outside"),
+        ("a", 2**31, ValueError, "field 'a' holds int32; got values outside"),
+        ("small", [0, 1, -1, 0], ValueError, "field 'small' holds uint8; got values outside"),
+        ("table", [[1, 2**33]] * 4, ValueError, "field 'table' holds int32; got values"),
+    ],
+)
+def test_a_field_given_values_it_cannot_hold_changes_nothing(name, values, error, message):
+    """A value that fails to convert used to leave the ones before it written; an integer
+    out of range was wrapped silently (a block id of 2**32 became block 0)."""
+    fields = {"a": "int32", "small": "uint8", "table": ("int32", 2)}
+    with DeviceParamTable(4, fields, "cpu") as table:
+        table[name].np = 3
+        with pytest.raises(error, match=message):
+            table[name].np = values
+        assert (table[name].np == 3).all()
+        table[name].np = np.full(table[name].shape, 255, np.int64)  # in range: written
+        assert (table[name].np == 255).all()
+
+
 # -- KVCacheStep ---------------------------------------------------------------------------
 _RELEASED_UNDER_THE_STEP = """
 import jax, numpy as np

@@ -44,7 +44,8 @@ class ParamField:
 
     ``np`` is always the table's own column: ``field.np = values`` writes ``values`` into it
     (as ``field.np[...] = values`` does: an array of :attr:`shape` or a scalar; ``ValueError``
-    naming the field for any other shape), so the next :meth:`~DeviceParamTable.sync`
+    naming the field for any other shape, and for integers outside an integer field's range;
+    a value that fails to convert changes nothing), so the next :meth:`~DeviceParamTable.sync`
     uploads them; it never rebinds the name to an array the table does not see. ``gpu``
     cannot be rebound."""
 
@@ -74,7 +75,16 @@ class ParamField:
             raise ValueError(
                 f"field {self.name!r} holds {held}; got an array of shape {array.shape}"
             )
-        host[...] = array
+        # Converted whole before the column is touched: a value that fails to convert
+        # changes nothing (numpy's assignment writes the values before it).
+        converted = array.astype(host.dtype)
+        integers = host.dtype.kind in "iu" and array.dtype.kind in "iu"
+        if integers and not np.array_equal(converted, array):  # numpy wraps, silently
+            raise ValueError(
+                f"field {self.name!r} holds {host.dtype}; got values outside its range "
+                f"({array.min()} to {array.max()})"
+            )
+        host[...] = converted
 
     @property
     def gpu(self) -> BufferView:
