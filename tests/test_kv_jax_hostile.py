@@ -238,6 +238,31 @@ def test_a_step_whose_fn_releases_the_cache_writes_back_only_what_stays_committe
     assert result.stdout.strip().endswith("ok")
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_step_after_release_physical_drops_its_writes_or_raises_in_debug(debug):
+    """Nothing committed: the step reads zeros (a bucket of one block, reserved memory) and
+    its writes are dropped; debug mode gives ``fn`` no block and raises on any index. After
+    a recommit the blocks are zeros and the step writes them again."""
+    kv = _cache(5)
+    kv.committed_views(0, "float32")[0].to_numpy()[:] = 9.0
+    step = KVCacheStep(
+        kv, lambda caches: ([c.at[0].add(1.0) for c in caches], caches[0][0]), "f4", debug=debug
+    )
+    kv.release_physical()
+    if debug:
+        with pytest.raises(IndexError):  # JAX at trace time (a static index) or checkify
+            step()
+    else:
+        assert np.array_equal(step(), np.zeros(BLOCK))
+    assert kv.num_blocks_committed == 0
+    kv.recommit()
+    assert np.array_equal(_held(kv), np.zeros((SEGMENTS, 5, BLOCK)))
+    assert np.array_equal(step(), np.zeros(BLOCK))
+    assert np.array_equal(_held(kv)[:, 0], np.ones((SEGMENTS, BLOCK)))
+    step.close()
+    kv.free()
+
+
 def test_an_interrupt_at_any_line_of_a_step_keeps_the_cache_whole():
     """Against a numpy model, across bucket changes: an interrupted step either wrote all of
     its blocks or none, and the next step runs."""
