@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxbuf import DeviceParamTable, ExtensibleKVCacheBuilder
+from jaxbuf._errors import ClosedError
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -322,6 +323,27 @@ def test_a_failed_in_place_step_leaves_arrays_the_next_step_can_read(monkeypatch
     assert not any(cache.is_deleted() for cache in caches)
     assert np.array_equal(np.asarray(caches[0])[:4], np.full((4, BLOCK), 2.0))
     step.close()
+    kv.free()
+
+
+def test_an_in_place_step_closed_by_its_fn_stays_closed(monkeypatch):
+    """The in-place path (forced, its aliasing taken as checked) keeps the outputs as the
+    next inputs only while the step is open: a step closed by a callback of its own ``fn``
+    used to come back open."""
+    monkeypatch.setattr(_jax_step, "donation_in_place", lambda device=None: True)
+    monkeypatch.setattr(KVCacheStep, "_check_aliasing", lambda self, updated: None)
+    kv = _cache(2)
+
+    def fn(caches):
+        jax.debug.callback(step.close)
+        return [c + 1 for c in caches], None
+
+    step = KVCacheStep(kv, fn, "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU cannot use the donation
+        step()
+    with pytest.raises(ClosedError):
+        step()
     kv.free()
 
 

@@ -264,7 +264,8 @@ class KVCacheStep:
         updated, out = self._run(caches, blocks, committed, args, kwargs)
         if not self._checked:
             self._check_aliasing(updated)
-        self._caches = updated
+        if self._caches is not None:  # not closed meanwhile (by fn, or a callback in it)
+            self._caches = updated
         return out
 
     def _reimport_deleted(self) -> None:
