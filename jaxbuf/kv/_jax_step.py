@@ -272,8 +272,8 @@ class KVCacheStep:
         """After a failed in-place step: arrays over the buffers again for the caches JAX
         deleted as donated (the memory holds what the step wrote), so the next step runs."""
         caches = self._caches
-        if caches is None or not any(cache.is_deleted() for cache in caches):
-            return
+        if caches is None or self.kv.freed or not any(c.is_deleted() for c in caches):
+            return  # (a freed cache: the next step raises ClosedError for it)
         self._caches = [
             array.view.to_jax() if cache.is_deleted() else cache
             for cache, array in zip(caches, self._arrays)
