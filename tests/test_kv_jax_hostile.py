@@ -326,6 +326,25 @@ def test_a_failed_in_place_step_leaves_arrays_the_next_step_can_read(monkeypatch
     kv.free()
 
 
+def test_a_failed_in_place_step_that_freed_its_cache_raises_its_own_error(monkeypatch):
+    """The recovery of a failed in-place step leaves a cache freed under it alone: its
+    ClosedError used to hide the step's own error."""
+    monkeypatch.setattr(_jax_step, "donation_in_place", lambda device=None: True)
+    kv = _cache(2)
+
+    def fn(caches):
+        jax.debug.callback(kv.free)
+        return [c.astype(jnp.int32) for c in caches], None
+
+    step = KVCacheStep(kv, fn, "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU cannot use the donation
+        with pytest.raises(TypeError, match="dtype int32"):
+            step()
+    with pytest.raises(ClosedError, match="freed"):
+        step()
+
+
 def test_an_in_place_step_closed_by_its_fn_stays_closed(monkeypatch):
     """The in-place path (forced, its aliasing taken as checked) keeps the outputs as the
     next inputs only while the step is open: a step closed by a callback of its own ``fn``
