@@ -303,15 +303,16 @@ def test_an_interrupt_at_any_line_of_a_step_keeps_the_cache_whole():
 
 
 def test_a_failed_in_place_step_leaves_arrays_the_next_step_can_read(monkeypatch):
-    """Where the step donates the caches (a GPU's in-place path, forced here), an output
-    refused after the run used to leave the donated, deleted arrays as the next step's
-    inputs ("Array has been deleted" from then on)."""
+    """Where the step donates the caches (a GPU's in-place path, forced here, its aliasing
+    taken as checked), an output refused after the run used to leave the donated, deleted
+    arrays as the next step's inputs ("Array has been deleted" from then on)."""
     monkeypatch.setattr(_jax_step, "donation_in_place", lambda device=None: True)
+    monkeypatch.setattr(KVCacheStep, "_check_aliasing", lambda self, updated: None)
     kv = _cache(4)
     kv.committed_views(0, "float32")[0].to_numpy()[:] = 2.0
 
     def fn(caches, wrong):
-        return [c.astype(jnp.int32) if wrong else c for c in caches], None
+        return [c.astype(jnp.int32) if wrong else c + 1 for c in caches], caches[0][0, 0]
 
     step = KVCacheStep(kv, fn, "float32", static_argnums=1)
     assert step.in_place
@@ -319,11 +320,26 @@ def test_a_failed_in_place_step_leaves_arrays_the_next_step_can_read(monkeypatch
         warnings.simplefilter("ignore")  # the CPU cannot use the donation
         with pytest.raises(TypeError, match="dtype int32"):
             step(True)
-    caches = step.caches
-    assert not any(cache.is_deleted() for cache in caches)
-    assert np.array_equal(np.asarray(caches[0])[:4], np.full((4, BLOCK), 2.0))
+        assert float(step(False)) == 2.0  # the memory, imported again
     step.close()
     kv.free()
+
+
+def test_the_caches_a_caller_donates_are_not_the_steps():
+    """``caches`` are fresh imports: donating one (JAX deletes it) used to delete the step's
+    own input and break every later step."""
+    kv = _cache(2)
+    step = KVCacheStep(kv, lambda caches: ([c + 1 for c in caches], None), "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU cannot use the donation
+        jax.jit(lambda x: x * 2, donate_argnums=0)(step.caches[0])
+    step()
+    assert np.array_equal(_held(kv), np.ones((SEGMENTS, 2, BLOCK)))
+    assert step.caches[0].unsafe_buffer_pointer() == kv.segment_views(0)[0].ptr
+    step.close()
+    kv.free()
+    with pytest.raises(ClosedError):
+        step.caches  # noqa: B018
 
 
 def test_a_failed_in_place_step_that_freed_its_cache_raises_its_own_error(monkeypatch):

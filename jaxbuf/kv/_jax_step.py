@@ -403,10 +403,14 @@ class KVCacheStep:
 
     @property
     def caches(self) -> list[Any]:
-        """The full-capacity arrays over the buffers' memory that the next step reads."""
+        """Full-capacity arrays over the buffers' memory (the memory the next step reads),
+        imported afresh: the step's own arrays stay its own, so a caller donating one of
+        these (which deletes it) cannot break the next step."""
         if self._caches is None:
             raise ClosedError("KVCacheStep", "closed")
-        return list(self._caches)
+        if self.kv.freed:
+            raise ClosedError("ExtensibleKVCacheBuffers", "freed", "a KVCacheStep needs its cache")
+        return [array.view.to_jax() for array in self._arrays]
 
     def compiled(self) -> int | None:
         """Executables compiled so far, over every bucket (None where JAX does not say)."""
