@@ -151,6 +151,24 @@ def test_the_mapping_as_a_loop_carry_keeps_each_field_in_its_slot(loop):
         assert leaves == jax.tree.leaves(dict(mapping))
 
 
+def test_a_donated_mapping_is_uploaded_again_not_handed_on_deleted():
+    """Donating the mapping (forbidden, but one ``donate_argnums`` away) deletes its arrays:
+    the next access uploads the same values again rather than returning deleted arrays
+    until the next changed sync."""
+    with DeviceParamTable(4, {"a": "float32", "b": ("int32", 3)}, "cpu") as table:
+        mapping = table.arrays("jax")
+        table["a"].np[:] = 1.5
+        table.sync()
+        step = jax.jit(lambda m: m["a"] + m["b"].sum(), donate_argnums=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "donated buffers were not usable"
+            for _ in range(3):
+                assert np.array_equal(step(mapping), np.full(4, 1.5))
+        assert np.array_equal(np.asarray(mapping["a"]), table["a"].np)
+        kept = mapping["b"]
+        assert mapping["b"] is kept  # no upload without a change or a deletion
+
+
 def test_an_interrupt_at_any_line_of_the_first_access_leaves_the_mapping_usable():
     codes = {
         _jax_table.JaxParamArrays.current.__code__,

@@ -45,8 +45,8 @@ class JaxParamArrays(Mapping):
     table.arrays("jax"))``) that passes each call the current values without retracing;
     inside the traced function it is a plain dict. Read inside a trace (a closure), it
     uploads eagerly and the traced function keeps the values it read. Never donate its
-    arrays: they serve every step until the next change. ``ClosedError`` once the table is
-    closed.
+    arrays: they serve every step until the next change (one donated, which JAX deletes, is
+    uploaded again at the next access). ``ClosedError`` once the table is closed.
     """
 
     __slots__ = ("_synced", "_names", "_layout", "_nbytes", "_device", "_snapshot")
@@ -88,7 +88,9 @@ class JaxParamArrays(Mapping):
             raise ClosedError("DeviceParamTable", "closed")
         changed_syncs, values = self._synced.state
         uploaded, arrays = self._snapshot
-        if changed_syncs != uploaded:
+        # A donated array (which the docs forbid, and JAX deletes) is uploaded again rather
+        # than handed to every later step as a deleted one: about 30 ns a field to check.
+        if changed_syncs != uploaded or any(a.is_deleted() for a in arrays.values()):
             # Eagerly even inside a trace (a jitted function reading the mapping it closes
             # over): the snapshot serves every later access, so it must hold arrays, never
             # that trace's tracers.
