@@ -172,6 +172,7 @@ def test_a_donated_mapping_is_uploaded_again_not_handed_on_deleted():
 def test_an_interrupt_at_any_line_of_the_first_access_leaves_the_mapping_usable():
     codes = {
         _jax_table.JaxParamArrays.current.__code__,
+        _jax_table.JaxParamArrays._current.__code__,
         _jax_table.JaxParamArrays._upload.__code__,
         _jax_table.JaxParamArrays._check_x64.__code__,
     }
