@@ -460,22 +460,47 @@ def run(
 def check_agreement(caches: dict[str, Any], traces: dict[str, Trace], reference: str) -> None:
     """Every cache gave the reference's logits at every step and holds its committed blocks,
     bit for bit (the same XLA computation over the same values; block ids index the same
-    blocks whatever the cache's block count). AssertionError naming the first difference."""
+    blocks whatever the cache's block count): the same dtype, shape and bytes, so ``-0.0``
+    differs from ``0.0`` and a NaN equals only the same NaN. AssertionError naming the first
+    difference, and when there is nothing to compare (no step, no other cache)."""
     expected = traces[reference]
+    if not expected.logits or len(expected.blocks) != len(expected.logits):
+        raise AssertionError(
+            f"{reference}: {len(expected.logits)} steps of logits and {len(expected.blocks)} "
+            "of blocks: nothing to compare"
+        )
+    if len(traces) < 2:
+        raise AssertionError(f"only {reference} ran: nothing to compare it with")
     blocks = expected.blocks[-1]
     want = caches[reference].committed(blocks)
     for name, trace in traces.items():
+        if len(trace.logits) != len(expected.logits):
+            raise AssertionError(
+                f"{name}: {len(trace.logits)} steps of logits, {reference} {len(expected.logits)}"
+            )
         for n, (got, ref) in enumerate(zip(trace.logits, expected.logits)):
-            if not np.array_equal(got, ref):
-                worst = float(np.max(np.abs(got - ref)))
-                raise AssertionError(f"{name}: step {n}'s logits differ by up to {worst:g}")
+            if not _identical(got, ref):
+                raise AssertionError(f"{name}: step {n}'s logits differ: {_difference(got, ref)}")
         if trace.blocks != expected.blocks:
             raise AssertionError(f"{name}: blocks {trace.blocks} != {expected.blocks}")
         got = caches[name].committed(blocks)
-        if not np.array_equal(got, want):
-            raise AssertionError(
-                f"{name}: the committed cache differs by up to {np.max(np.abs(got - want)):g}"
-            )
+        if not _identical(got, want):
+            raise AssertionError(f"{name}: the committed cache differs: {_difference(got, want)}")
+
+
+def _identical(a: Any, b: Any) -> bool:
+    """The same dtype, shape and bytes."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _difference(got: Any, want: Any) -> str:
+    got, want = np.asarray(got), np.asarray(want)
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{got.dtype}{list(got.shape)} against {want.dtype}{list(want.shape)}"
+    differing = np.frombuffer(got.tobytes(), np.uint8) != np.frombuffer(want.tobytes(), np.uint8)
+    worst = np.nanmax(np.abs(got.astype(np.float64) - want.astype(np.float64)), initial=0.0)
+    return f"{np.count_nonzero(differing)} bytes, values by up to {worst:g}"
 
 
 def torch_weights(weights: dict[str, np.ndarray], device: Any) -> dict[str, Any]:

@@ -128,7 +128,11 @@ class KVCacheStep:
     arguments of a call reach ``fn``. The caches can be neither static nor donated by the
     caller (``ValueError``): the step decides. Pass other arrays imported once (a
     :meth:`DeviceParamTable.arrays` dict) as ``args``. Free the cache only after the last step
-    (donated outputs alias it and hold no reference to it); :meth:`close` drops them.
+    (donated outputs alias it and hold no reference to it); :meth:`close` drops them. A step
+    copies back only the blocks still committed when it ends, so ``fn`` (or a callback in it)
+    releasing or freeing the cache drops its writes. Not thread-safe: the thread that steps
+    is the one that commits, releases and frees the cache (as :class:`ExtensibleKVCacheBuffers`
+    requires); concurrent steps race for the blocks they write, the last copy winning.
     """
 
     def __init__(
@@ -178,8 +182,8 @@ class KVCacheStep:
         )
         self._plane_index = np.array([p for _, p, _ in planes], np.uint64)
         self._plane_bytes = np.array([array.block_bytes for _, _, array in planes], np.uint64)
-        # Per committed count: each plane's offset in its output, and its bytes to copy.
-        self._copy_plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # Per (bucket, blocks copied): each plane's offset in its output, its bytes to copy.
+        self._copy_plans: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._shapes: dict[int, list[tuple[int, ...]]] = {}
         self._numpy_dtype = arrays[0].view.dtype.numpy  # one dtype for every array
         self._jitted_for(self.blocks)  # a bad jit option raises here, not at the first step
@@ -215,11 +219,35 @@ class KVCacheStep:
             raise ClosedError("ExtensibleKVCacheBuffers", "freed", "a KVCacheStep needs its cache")
         committed = self.kv.num_blocks_committed
         blocks = self._blocks_for(committed)
+        if self.in_place:
+            try:
+                return self._step_in_place(caches, blocks, committed, args, kwargs)
+            except BaseException:
+                self._reimport_deleted()
+                raise
+        updated, out = self._run(caches, blocks, committed, args, kwargs)
+        self._write_back(updated, blocks, committed)
+        return out
+
+    def _run(
+        self, caches: list[Any], blocks: int, committed: int, args: Any, kwargs: Any
+    ) -> tuple[list[Any], Any]:
+        """Run the step over ``blocks`` blocks: its checked output caches and ``out``."""
         result = self._jitted_for(blocks)(caches, *args, **kwargs)
         if self.debug:
             error, result = result
             self._raise_index_error(error.get(), committed)
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            raise TypeError(
+                f"fn must return (caches, out), got {type(result).__name__}"
+                + (f" of {len(result)} items" if isinstance(result, (tuple, list)) else "")
+            )
         updated, out = result
+        if not isinstance(updated, (tuple, list)):
+            raise TypeError(
+                f"fn must return (caches, out) with caches a list of arrays, got caches of "
+                f"type {type(updated).__name__}"
+            )
         updated = list(updated)
         # An executable's outputs keep one layout: check it on each new one's first run
         # (reading an array's layout costs about 10 us a step).
@@ -228,13 +256,28 @@ class KVCacheStep:
             updated, blocks, layout=compiled is None or compiled != self._layouts_checked
         )
         self._layouts_checked = compiled
-        if self.in_place:
-            if not self._checked:
-                self._check_aliasing(updated)
+        return updated, out
+
+    def _step_in_place(
+        self, caches: list[Any], blocks: int, committed: int, args: Any, kwargs: Any
+    ) -> Any:
+        updated, out = self._run(caches, blocks, committed, args, kwargs)
+        if not self._checked:
+            self._check_aliasing(updated)
+        if self._caches is not None:  # not closed meanwhile (by fn, or a callback in it)
             self._caches = updated
-        else:
-            self._write_back(updated, blocks, committed)
         return out
+
+    def _reimport_deleted(self) -> None:
+        """After a failed in-place step: arrays over the buffers again for the caches JAX
+        deleted as donated (the memory holds what the step wrote), so the next step runs."""
+        caches = self._caches
+        if caches is None or self.kv.freed or not any(c.is_deleted() for c in caches):
+            return  # (a freed cache: the next step raises ClosedError for it)
+        self._caches = [
+            array.view.to_jax() if cache.is_deleted() else cache
+            for cache, array in zip(caches, self._arrays)
+        ]
 
     def _jitted_for(self, blocks: int) -> Any:
         """The jitted step over ``blocks`` blocks, made on first use (each traces and
@@ -272,9 +315,12 @@ class KVCacheStep:
             traced = checked_step
         else:
             traced = step
+        options = self._jit_options
+        if self.debug and "out_shardings" in options:  # fn's outputs come after checkify's error
+            options = {**options, "out_shardings": (None, options["out_shardings"])}
         # fn's signature, for static_argnames / donate_argnames and jit's error messages.
         functools.update_wrapper(traced, fn, updated=())
-        return jax.jit(traced, **self._jit_options)
+        return jax.jit(traced, **options)
 
     def _raise_index_error(self, message: str | None, committed: int) -> None:
         if message is not None:
@@ -329,16 +375,20 @@ class KVCacheStep:
 
     def _write_back(self, updated: list[Any], blocks: int, committed: int) -> None:
         """Copy each segment's committed blocks from the outputs (new arrays of ``blocks``
-        blocks) into the buffers, in one batched copy."""
-        if not committed:
-            return
+        blocks) into the buffers, in one batched copy: the blocks committed both when the
+        step began and once it ran (fn, or a callback in it, may release or free the cache;
+        its writes to blocks released meanwhile are dropped, as any write there is)."""
         import jax
 
         jax.block_until_ready(updated)
-        plan = self._copy_plans.get(committed)
+        committed = min(committed, self.kv.num_blocks_committed)  # 0 once freed
+        if not committed:
+            return
+        plan = self._copy_plans.get((blocks, committed))
         if plan is None:
             offsets = self._plane_index * np.uint64(blocks) * self._plane_bytes
-            plan = self._copy_plans[committed] = (offsets, self._plane_bytes * np.uint64(committed))
+            sizes = self._plane_bytes * np.uint64(committed)
+            plan = self._copy_plans[blocks, committed] = (offsets, sizes)
         offsets, sizes = plan
         pointers = np.array([output.unsafe_buffer_pointer() for output in updated], np.uint64)
         sources = pointers[self._plane_array] + offsets
@@ -353,10 +403,14 @@ class KVCacheStep:
 
     @property
     def caches(self) -> list[Any]:
-        """The full-capacity arrays over the buffers' memory that the next step reads."""
+        """Full-capacity arrays over the buffers' memory (the memory the next step reads),
+        imported afresh: the step's own arrays stay its own, so a caller donating one of
+        these (which deletes it) cannot break the next step."""
         if self._caches is None:
             raise ClosedError("KVCacheStep", "closed")
-        return list(self._caches)
+        if self.kv.freed:
+            raise ClosedError("ExtensibleKVCacheBuffers", "freed", "a KVCacheStep needs its cache")
+        return [array.view.to_jax() for array in self._arrays]
 
     def compiled(self) -> int | None:
         """Executables compiled so far, over every bucket (None where JAX does not say)."""
@@ -463,9 +517,12 @@ def _argnums(options: dict[str, Any], name: str) -> tuple[int, ...]:
     value = options.get(name)
     if value is None:
         return ()
-    values = (value,) if isinstance(value, int) else tuple(value)
     try:
-        return tuple(operator.index(v) for v in values)
+        return (operator.index(value),)  # one int, a numpy one included
+    except TypeError:
+        pass
+    try:
+        return tuple(operator.index(v) for v in value)
     except TypeError:
         raise TypeError(f"{name} must be an int or a sequence of ints, got {value!r}") from None
 
@@ -474,7 +531,15 @@ def _argnames(options: dict[str, Any], name: str) -> tuple[str, ...]:
     value = options.get(name)
     if value is None:
         return ()
-    return (value,) if isinstance(value, str) else tuple(value)
+    if isinstance(value, str):
+        return (value,)
+    try:
+        names = tuple(value)
+    except TypeError:
+        names = (value,)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{name} must be a str or a sequence of strs, got {value!r}")
+    return names
 
 
 def _caches_parameter(fn: Any) -> str | None:

@@ -40,26 +40,29 @@ class JaxParamArrays(Mapping):
     same array objects. The arrays are JAX's own, made from an immutable copy of the table's
     bytes: later host writes and syncs never change them.
 
-    A JAX pytree: its leaves are the current arrays, in field order, so the mapping itself
-    is a jit argument (``step(caches, table.arrays("jax"))``) that passes each call the
-    current values without retracing; inside the traced function it is a plain dict. Never
-    donate its arrays: they serve every step until the next change. ``ClosedError`` once the
-    table is closed.
+    A JAX pytree: its leaves are the current arrays, in sorted name order (a dict's, which
+    it unflattens to), so the mapping itself is a jit argument (``step(caches,
+    table.arrays("jax"))``) that passes each call the current values without retracing;
+    inside the traced function it is a plain dict. Read inside a trace (a closure), it
+    uploads eagerly and the traced function keeps the values it read. Never donate its
+    arrays: they serve every step until the next change (one donated, which JAX deletes, is
+    uploaded again at the next access). ``ClosedError`` once the table is closed.
     """
 
-    __slots__ = ("_synced", "_names", "_layout", "_nbytes", "_device", "_snapshot")
+    __slots__ = ("_synced", "_names", "_sorted", "_layout", "_nbytes", "_device", "_snapshot")
 
     def __init__(self, synced: SyncedValues, fields: Iterable[ParamField], device: Device):
         fields = list(fields)
         self._synced = synced
         self._names = tuple(field.name for field in fields)
+        self._sorted = tuple(sorted(self._names))  # the pytree's leaf order
         self._layout: _Layout = tuple((f.dtype.name, f.offset, f.shape) for f in fields)
         self._nbytes = len(synced.state[1])
         self._device = interop.get("jax").device(device)
-        # (changed syncs uploaded, {name: array}): replaced as one attribute, after the
-        # upload, so an upload that fails or is interrupted leaves the old pair and the next
-        # access uploads again. -1: nothing uploaded yet.
-        self._snapshot: tuple[int, dict[str, Any]] = (-1, {})
+        # (changed syncs uploaded, {name: array}, the arrays in pytree leaf order): replaced
+        # as one attribute, after the upload, so an upload that fails or is interrupted
+        # leaves the old one and the next access uploads again. -1: nothing uploaded yet.
+        self._snapshot: tuple[int, dict[str, Any], tuple[Any, ...]] = (-1, {}, ())
 
     # -- the mapping ----------------------------------------------------------------------
     def __getitem__(self, name: str) -> Any:
@@ -82,14 +85,30 @@ class JaxParamArrays(Mapping):
     def current(self) -> dict[str, Any]:
         """``{name: array}`` of the last changed sync's values, uploaded now if that sync
         came after the last upload; ``ClosedError`` once the table is closed."""
+        return self._current()[1]
+
+    def _current(self) -> tuple[int, dict[str, Any], tuple[Any, ...]]:
+        """The snapshot of the last changed sync's values, uploaded now where it is stale."""
         if self._synced.closed:
             raise ClosedError("DeviceParamTable", "closed")
         changed_syncs, values = self._synced.state
-        uploaded, arrays = self._snapshot
-        if changed_syncs != uploaded:
+        snapshot = self._snapshot
+        if snapshot[0] == changed_syncs:
+            # A donated array (which the docs forbid, and JAX deletes) is uploaded again
+            # rather than handed to every later step deleted: about 30 ns a field to check.
+            for array in snapshot[2]:
+                if array.is_deleted():
+                    break
+            else:
+                return snapshot
+        # Eagerly even inside a trace (a jitted function reading the mapping it closes
+        # over): the snapshot serves every later access, so it must hold arrays, never that
+        # trace's tracers.
+        with jax.ensure_compile_time_eval():
             arrays = dict(zip(self._names, self._upload(values)))
-            self._snapshot = (changed_syncs, arrays)
-        return arrays
+        snapshot = (changed_syncs, arrays, tuple(arrays[name] for name in self._sorted))
+        self._snapshot = snapshot
+        return snapshot
 
     def _upload(self, values: bytes) -> list[Any]:
         """The fields of ``values`` as new JAX arrays on the table's device."""
@@ -121,14 +140,16 @@ class JaxParamArrays(Mapping):
 
 
 # -- the pytree ---------------------------------------------------------------------------
+# The leaves go in sorted name order, a dict's: the mapping unflattens to a dict, and JAX
+# matches a loop's carry (scan, fori_loop) leaf by leaf, so in field order a body returning
+# the dict would feed each field's value into another field's slot.
 def _flatten(arrays: JaxParamArrays) -> tuple[tuple[Any, ...], tuple[str, ...]]:
-    return tuple(arrays.current().values()), arrays._names
+    return arrays._current()[2], arrays._sorted
 
 
 def _flatten_with_keys(arrays: JaxParamArrays) -> tuple[tuple[Any, ...], tuple[str, ...]]:
-    current = arrays.current()
-    keys = tuple((jax.tree_util.DictKey(name), array) for name, array in current.items())
-    return keys, arrays._names
+    names, leaves = arrays._sorted, arrays._current()[2]
+    return tuple((jax.tree_util.DictKey(n), leaf) for n, leaf in zip(names, leaves)), names
 
 
 def _unflatten(names: tuple[str, ...], leaves: Iterable[Any]) -> dict[str, Any]:

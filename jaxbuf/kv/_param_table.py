@@ -44,7 +44,8 @@ class ParamField:
 
     ``np`` is always the table's own column: ``field.np = values`` writes ``values`` into it
     (as ``field.np[...] = values`` does: an array of :attr:`shape` or a scalar; ``ValueError``
-    naming the field for any other shape), so the next :meth:`~DeviceParamTable.sync`
+    naming the field for any other shape, and for integers outside an integer field's range;
+    a value that fails to convert changes nothing), so the next :meth:`~DeviceParamTable.sync`
     uploads them; it never rebinds the name to an array the table does not see. ``gpu``
     cannot be rebound."""
 
@@ -74,7 +75,16 @@ class ParamField:
             raise ValueError(
                 f"field {self.name!r} holds {held}; got an array of shape {array.shape}"
             )
-        host[...] = array
+        # Converted whole before the column is touched: a value that fails to convert
+        # changes nothing (numpy's assignment writes the values before it).
+        converted = array.astype(host.dtype)
+        integers = host.dtype.kind in "iu" and array.dtype.kind in "iu"
+        if integers and not np.array_equal(converted, array):  # numpy wraps, silently
+            raise ValueError(
+                f"field {self.name!r} holds {host.dtype}; got values outside its range "
+                f"({array.min()} to {array.max()})"
+            )
+        host[...] = converted
 
     @property
     def gpu(self) -> BufferView:
@@ -399,9 +409,12 @@ class DeviceParamTable:
             return False
         self._uploaded = None  # until the copy is enqueued: a failure leaves it unknown
         self._upload(current)
-        self._uploaded = current
+        # JAX's values before the record of the upload: an interrupt between the two leaves
+        # the upload unrecorded, so the next sync repeats both (never the device table new
+        # and JAX's values old with nothing left to sync).
         changed_syncs, _ = self._synced.state
         self._synced.state = (changed_syncs + 1, current)  # what JAX's next access uploads
+        self._uploaded = current
         return True
 
     def _upload(self, current: bytes) -> None:
