@@ -487,3 +487,43 @@ def test_a_failed_write_back_raises_and_the_step_stays_usable():
     finally:
         step.close()
         kv.free()
+
+
+STRICT_DRIVER_STEP = """
+import numpy as np
+from jaxbuf import ExtensibleKVCacheBuilder
+from jaxbuf.drivers.host import HostVmmDriver
+from jaxbuf.kv import KVCacheStep
+
+builder = ExtensibleKVCacheBuilder(64, "cpu", driver=HostVmmDriver(debug=True))
+builder.reserve(64 << 20, num_segments=1)  # 1 MiB blocks: 2 MiB granules
+kv = builder.finish()
+kv.commit(5)  # 6 MiB mapped; a bucket of 8 blocks would reach 2 MiB of PROT_NONE
+
+
+def write(caches):
+    cache = caches[0].at[4, 0].set(7.0)
+    return [cache], cache[4, 0]
+
+
+step = KVCacheStep(kv, write, "float32")
+assert step.blocks == 5, step.blocks
+assert float(step()) == 7.0
+assert kv.committed_views(0, "float32")[0].to_numpy()[4, 0] == 7.0
+step.close()
+kv.free()
+print("ok")
+"""
+
+
+def test_a_strict_cpu_driver_gets_exactly_the_committed_blocks():
+    # The driver's debug mode maps uncommitted memory with no access: a bucket's slice past
+    # the committed blocks would fault there even when the step itself is not in debug mode.
+    import os
+    import sys
+
+    import _forkserver
+
+    env = {k: v for k, v in os.environ.items() if k != "JAXBUF_DEBUG"}
+    result = _forkserver.run([sys.executable, "-c", STRICT_DRIVER_STEP], timeout=120, env=env)
+    assert result.returncode == 0 and result.stdout.split() == ["ok"], result.stderr[-2000:]

@@ -167,6 +167,10 @@ class KVCacheStep:
         self.kv = kv
         #: Whether the step donates the caches and JAX writes them in place (no copy back).
         self.in_place = donates_in_place and not self.debug
+        # A CPU driver in debug mode maps uncommitted memory with no access, so a bucket's
+        # slice past the committed blocks would fault there: exactly the committed blocks.
+        driver = arrays[0].view.owner.driver
+        self._exact_blocks = self.debug or getattr(driver, "debug", False) is True
         self._fn = fn
         self._arrays = arrays
         self._jit_options = _checked_jit_options(fn, jit_options, self.in_place)
@@ -194,15 +198,15 @@ class KVCacheStep:
     @property
     def blocks(self) -> int:
         """The block dimension ``fn`` sees now: the capacity where the step writes in place,
-        ``num_blocks_committed`` in debug mode, else the smallest power of two at or above
-        it (at least 1), at most the capacity."""
+        ``num_blocks_committed`` in debug mode (the step's or its CPU driver's), else the
+        smallest power of two at or above it (at least 1), at most the capacity."""
         return self._blocks_for(self.kv.num_blocks_committed)
 
     def _blocks_for(self, committed: int) -> int:
         capacity = self.kv.num_blocks_capacity
         if self.in_place:
             return capacity
-        if self.debug:
+        if self._exact_blocks:
             return committed
         return min(capacity, 1 << max(committed - 1, 0).bit_length())
 
