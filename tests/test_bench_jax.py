@@ -439,9 +439,13 @@ def test_param_table_rows():
     assert [(row.params["kind"], row.params["fields"]) for row in jax_rows] == [
         ("param-table-jax-live-arrays", 1),
         ("param-table-jax-live-arrays", 8),
+        ("param-table-jax-per-field", 8),
         ("param-table-jax-matmul-in-flight", 1),
         ("param-table-jax-matmul-in-flight", 8),
     ]
+    per_field = jax_rows.pop(2)  # the same 8 arrays uploaded one by one: a comparison
+    assert per_field.target == "" and per_field.baseline_name.endswith("(8 arrays)")
+    assert per_field.median_s > 0 and per_field.baseline_median_s > 0
     for row in jax_rows:
         assert row.target == "<= 2x plain JAX jnp.asarray" and row.limit == 2.0
         assert row.baseline_name.startswith("plain JAX jnp.asarray")

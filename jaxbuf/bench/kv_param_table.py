@@ -22,7 +22,9 @@ paired spread.
 **JAX rows**: a changed sync plus the next access to ``arrays("jax")`` (every field's array,
 as a jitted step's argument flattening takes them: the new values uploaded) against a plain
 ``jnp.asarray`` of the same bytes (the whole table as one array), for a table of one field
-and of all eight, under two loads that a sync used to wait for:
+and of all eight (which the eight-field table also compares, without a target, with one
+``jnp.asarray`` per field: the same arrays a step gets), under two loads that a sync used to
+wait for:
 
 * **10,000 live JAX arrays** in the process (a sync used to ``block_until_ready`` each).
   A sample is ``_CALLS`` calls then one wait for the last arrays, as above.
@@ -250,6 +252,8 @@ def _jax_rows(device: Any, quick: bool, num_rows: int, repeat: int) -> Iterator[
         jax.block_until_ready(live)
         for case in cases.values():
             calls = {"sync": case.changed_sync, "asarray": case.asarray}
+            if len(case.table) > 1:  # the same arrays a step gets, one upload each
+                calls["fields"] = case.asarray_fields
             sampled = {
                 label: _sampled(call, jax.block_until_ready) for label, call in calls.items()
             }
@@ -258,6 +262,8 @@ def _jax_rows(device: Any, quick: bool, num_rows: int, repeat: int) -> Iterator[
                 for label, times in round_by_round_samples(sampled, repeat).items()
             }
             yield case.row(samples, f"{_LIVE_ARRAYS:,} live JAX arrays", "live-arrays")
+            if "fields" in samples:
+                yield case.fields_row(samples, f"{_LIVE_ARRAYS:,} live JAX arrays")
         del live
         size = 2048 if quick else 4096
         matrix = jnp.full((size, size), 1e-3, jnp.float32)
@@ -298,6 +304,26 @@ class _JaxCase:
 
         self.plain[0] ^= 1
         return jnp.asarray(self.plain)
+
+    def asarray_fields(self) -> Any:
+        import jax.numpy as jnp
+
+        self.first[0] = 1 - self.first[0]
+        return [jnp.asarray(field.np) for field in self.table.fields.values()]
+
+    def fields_row(self, samples: dict[str, list[float]], load: str) -> Row:
+        """The same sync against one ``jnp.asarray`` per field: the arrays a step gets."""
+        import statistics
+
+        fields = len(self.table)
+        return Row(
+            f"param table changed sync + arrays('jax'), {fields} field(s), {load} (jaxbuf)",
+            statistics.median(samples["sync"]),
+            f"plain JAX jnp.asarray of each field ({fields} arrays)",
+            statistics.median(samples["fields"]),
+            spread=ratio_spread(samples["sync"], samples["fields"], paired=True),
+            params={"kind": "param-table-jax-per-field", "fields": fields},
+        )
 
     def warm(self) -> None:
         import jax
