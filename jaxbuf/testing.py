@@ -157,6 +157,23 @@ class DriverCall(NamedTuple):
     args: dict[str, Any]
 
 
+def _within(reservations: dict[int, int], ptr: int, size: int) -> bool:
+    """Whether ``[ptr, ptr + size)`` lies inside one of ``reservations`` (base -> size)."""
+    return any(base <= ptr and ptr + size <= base + n for base, n in reservations.items())
+
+
+class _Books(NamedTuple):
+    """A copy of a :class:`FaultInjectingDriver`'s books, for its checks."""
+
+    violations: list[str]
+    created: int
+    released: int
+    live_handles: dict[int, Any]
+    reservations: dict[int, int]
+    mapped: dict[int, list]
+    pinned: dict[int, int]
+
+
 class _Fault:
     __slots__ = ("kind", "nth", "error")
 
@@ -304,19 +321,48 @@ class FaultInjectingDriver(VmmDriver):
     # -- checks ------------------------------------------------------------------------------
     def problems(self) -> list[str]:
         """Every broken invariant, as sentences (empty when all hold)."""
-        found = list(self.violations)
-        if self.created - self.released != len(self.live_handles):
-            found.append(
-                f"created ({self.created}) - released ({self.released}) != "
-                f"{len(self.live_handles)} live handles"
+        return self._problems(self._books())
+
+    def _books(self) -> _Books:
+        """A copy of the books that no driver call changed while it was taken.
+
+        Judging allocates, so a garbage collection may run during a check, and a finalizer
+        there (a buffer dropped in a reference cycle, released) makes driver calls. Books read
+        partly before that release and partly after it describe a state the memory was never
+        in (a chunk still mapped, its handle and reservation already gone), so the check
+        judges a copy, taken again when a driver call came between its parts (each part is
+        one C call that runs no finalizer once it has started copying).
+        """
+        while True:
+            calls = self.call_count
+            books = _Books(
+                list(self.violations),
+                self.created,
+                self.released,
+                dict(self.live_handles),
+                dict(self.reservations),
+                dict(self.mapped),
+                dict(self.pinned),
             )
-        chunks = sorted(self.mapped.items())
+            if self.call_count == calls:
+                return books
+
+    @staticmethod
+    def _problems(books: _Books) -> list[str]:
+        found = list(books.violations)
+        if books.created - books.released != len(books.live_handles):
+            found.append(
+                f"created ({books.created}) - released ({books.released}) != "
+                f"{len(books.live_handles)} live handles"
+            )
+        reservations = books.reservations
+        chunks = sorted(books.mapped.items())
         for (ptr, (size, handle, accessible)), nxt in zip(chunks, chunks[1:] + [None]):
             if not accessible:
                 found.append(f"chunk at {ptr:#x} ({size} bytes) is mapped without access")
-            if id(handle) not in self.live_handles:
+            if id(handle) not in books.live_handles:
                 found.append(f"chunk at {ptr:#x} is mapped but its handle was released")
-            if not self._in_reservation(ptr, size):
+            if not _within(reservations, ptr, size):
                 found.append(f"chunk at {ptr:#x} ({size} bytes) lies outside every reservation")
             if nxt is not None and nxt[0] < ptr + size:
                 found.append(f"chunks at {ptr:#x} and {nxt[0]:#x} overlap")
@@ -331,18 +377,19 @@ class FaultInjectingDriver(VmmDriver):
     def assert_clean(self) -> None:
         """:meth:`check_invariants`, and no live handle, reservation or pinned allocation
         (events are reported by ``live_events``, not checked here)."""
-        found = self.problems()
-        if self.live_handles:
-            found.append(f"{len(self.live_handles)} live physical handle(s)")
-        if self.mapped:
-            found.append(f"{len(self.mapped)} mapped chunk(s)")
-        if self.reservations:
+        books = self._books()
+        found = self._problems(books)
+        if books.live_handles:
+            found.append(f"{len(books.live_handles)} live physical handle(s)")
+        if books.mapped:
+            found.append(f"{len(books.mapped)} mapped chunk(s)")
+        if books.reservations:
             found.append(
-                f"{len(self.reservations)} live reservation(s): "
-                f"{[hex(p) for p in self.reservations]}"
+                f"{len(books.reservations)} live reservation(s): "
+                f"{[hex(p) for p in books.reservations]}"
             )
-        if self.pinned:
-            found.append(f"{len(self.pinned)} live pinned host allocation(s)")
+        if books.pinned:
+            found.append(f"{len(books.pinned)} live pinned host allocation(s)")
         if found:
             raise InvariantError("; ".join(found))
 
@@ -353,9 +400,7 @@ class FaultInjectingDriver(VmmDriver):
         return sum(s for p, (s, _, _) in self.mapped.items() if ptr <= p < ptr + size)
 
     def _in_reservation(self, ptr: int, size: int) -> bool:
-        return any(
-            base <= ptr and ptr + size <= base + rsize for base, rsize in self.reservations.items()
-        )
+        return _within(self.reservations, ptr, size)
 
     # -- probing (uncounted) -----------------------------------------------------------------
     def unavailable_reason(self) -> str | None:
