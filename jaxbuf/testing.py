@@ -47,6 +47,7 @@ import collections
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from jaxbuf._driver_books import Books, leftovers, problems, within
 from jaxbuf.drivers.base import DriverError, VmmDriver
 
 __all__ = ["FAULT_KINDS", "DriverCall", "FaultInjectingDriver", "InjectedFault", "InvariantError"]
@@ -155,23 +156,6 @@ class DriverCall(NamedTuple):
     kind: str
     call_index: int | None
     args: dict[str, Any]
-
-
-def _within(reservations: dict[int, int], ptr: int, size: int) -> bool:
-    """Whether ``[ptr, ptr + size)`` lies inside one of ``reservations`` (base -> size)."""
-    return any(base <= ptr and ptr + size <= base + n for base, n in reservations.items())
-
-
-class _Books(NamedTuple):
-    """A copy of a :class:`FaultInjectingDriver`'s books, for its checks."""
-
-    violations: list[str]
-    created: int
-    released: int
-    live_handles: dict[int, Any]
-    reservations: dict[int, int]
-    mapped: dict[int, list]
-    pinned: dict[int, int]
 
 
 class _Fault:
@@ -321,9 +305,9 @@ class FaultInjectingDriver(VmmDriver):
     # -- checks ------------------------------------------------------------------------------
     def problems(self) -> list[str]:
         """Every broken invariant, as sentences (empty when all hold)."""
-        return self._problems(self._books())
+        return problems(self._books())
 
-    def _books(self) -> _Books:
+    def _books(self) -> Books:
         """A copy of the books that no driver call changed while it was taken.
 
         Judging allocates, so a garbage collection may run during a check, and a finalizer
@@ -335,7 +319,7 @@ class FaultInjectingDriver(VmmDriver):
         """
         while True:
             calls = self.call_count
-            books = _Books(
+            books = Books(
                 list(self.violations),
                 self.created,
                 self.released,
@@ -347,27 +331,6 @@ class FaultInjectingDriver(VmmDriver):
             if self.call_count == calls:
                 return books
 
-    @staticmethod
-    def _problems(books: _Books) -> list[str]:
-        found = list(books.violations)
-        if books.created - books.released != len(books.live_handles):
-            found.append(
-                f"created ({books.created}) - released ({books.released}) != "
-                f"{len(books.live_handles)} live handles"
-            )
-        reservations = books.reservations
-        chunks = sorted(books.mapped.items())
-        for (ptr, (size, handle, accessible)), nxt in zip(chunks, chunks[1:] + [None]):
-            if not accessible:
-                found.append(f"chunk at {ptr:#x} ({size} bytes) is mapped without access")
-            if id(handle) not in books.live_handles:
-                found.append(f"chunk at {ptr:#x} is mapped but its handle was released")
-            if not _within(reservations, ptr, size):
-                found.append(f"chunk at {ptr:#x} ({size} bytes) lies outside every reservation")
-            if nxt is not None and nxt[0] < ptr + size:
-                found.append(f"chunks at {ptr:#x} and {nxt[0]:#x} overlap")
-        return found
-
     def check_invariants(self) -> None:
         """Raise :class:`InvariantError` listing every broken invariant."""
         found = self.problems()
@@ -377,19 +340,7 @@ class FaultInjectingDriver(VmmDriver):
     def assert_clean(self) -> None:
         """:meth:`check_invariants`, and no live handle, reservation or pinned allocation
         (events are reported by ``live_events``, not checked here)."""
-        books = self._books()
-        found = self._problems(books)
-        if books.live_handles:
-            found.append(f"{len(books.live_handles)} live physical handle(s)")
-        if books.mapped:
-            found.append(f"{len(books.mapped)} mapped chunk(s)")
-        if books.reservations:
-            found.append(
-                f"{len(books.reservations)} live reservation(s): "
-                f"{[hex(p) for p in books.reservations]}"
-            )
-        if books.pinned:
-            found.append(f"{len(books.pinned)} live pinned host allocation(s)")
+        found = leftovers(self._books())
         if found:
             raise InvariantError("; ".join(found))
 
@@ -400,7 +351,7 @@ class FaultInjectingDriver(VmmDriver):
         return sum(s for p, (s, _, _) in self.mapped.items() if ptr <= p < ptr + size)
 
     def _in_reservation(self, ptr: int, size: int) -> bool:
-        return _within(self.reservations, ptr, size)
+        return within(self.reservations, ptr, size)
 
     # -- probing (uncounted) -----------------------------------------------------------------
     def unavailable_reason(self) -> str | None:
