@@ -63,13 +63,18 @@ def test_notebook_matches_source(notebook: Path):
 
 @pytest.mark.skipif(EXECUTE_REASON is not None, reason=str(EXECUTE_REASON))
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=_ids(NOTEBOOKS))
-def test_notebook_executes(notebook: Path):
+def test_notebook_executes(notebook: Path, tmp_path: Path):
     import nbformat
+    from jupyter_client.manager import KernelManager
     from nbclient import NotebookClient
 
     nb = nbformat.read(notebook, as_version=4)
+    # Unix sockets under this test's own directory: over TCP, kernels started at once by
+    # parallel workers picked the same free port ("Address already in use": the kernel died).
+    kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
     client = NotebookClient(
         nb,
+        km=kernel,
         kernel_name="python3",
         timeout=CELL_TIMEOUT_S,
         resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
