@@ -138,8 +138,16 @@ static PyObject *copy_batch(PyObject *module, PyObject *const *args, Py_ssize_t 
 #include <ucontext.h>
 #include <unistd.h>
 
-/* WATCH_STRICT: a debug-mode reservation, PROT_NONE where uncommitted (a read faults too). */
-enum { WATCH_RESERVED = 1, WATCH_RELEASED = 2, WATCH_FREED = 4, WATCH_STRICT = 8 };
+/* WATCH_STRICT: a debug-mode reservation, PROT_NONE where uncommitted (a read faults too).
+ * WATCH_READ_ONLY: a chunk imported read-only is mapped in it (PROT_READ: a write faults on
+ * committed memory too). */
+enum {
+    WATCH_RESERVED = 1,
+    WATCH_RELEASED = 2,
+    WATCH_FREED = 4,
+    WATCH_STRICT = 8,
+    WATCH_READ_ONLY = 16
+};
 #define WATCH_SLOTS 4096
 
 typedef struct {
@@ -168,20 +176,24 @@ static void put_hex(char *buffer, size_t *at, size_t cap, uintptr_t value) {
 
 static volatile sig_atomic_t handling;
 
-/* What the faulting access was, where the signal context says: on x86-64 Linux the page
- * fault's error code (its bit 1: a write); elsewhere unknown. */
+/* Whether the faulting access was a write (1), a read (0) or unknown (-1), where the signal
+ * context says: on x86-64 Linux the page fault's error code (its bit 1: a write). */
 #if defined(__linux__) && defined(__x86_64__) && defined(REG_ERR)
-static const char *access_kind(void *context) {
-    if (context == NULL) return "a read or write of ";
-    return (((ucontext_t *)context)->uc_mcontext.gregs[REG_ERR] & 2) ? "a write to "
-                                                                      : "a read of ";
+static int access_was_write(void *context) {
+    if (context == NULL) return -1;
+    return (((ucontext_t *)context)->uc_mcontext.gregs[REG_ERR] & 2) ? 1 : 0;
 }
 #else
-static const char *access_kind(void *context) {
+static int access_was_write(void *context) {
     (void)context;
-    return "a read or write of ";
+    return -1;
 }
 #endif
+
+static const char *access_kind(void *context) {
+    int write = access_was_write(context);
+    return write < 0 ? "a read or write of " : write ? "a write to " : "a read of ";
+}
 
 static void explain_segv(int signum, siginfo_t *info, void *context) {
     /* Entered again while handing a fault on (a handler we chained to restored this one
@@ -209,6 +221,16 @@ static void explain_segv(int signum, siginfo_t *info, void *context) {
             if (state & WATCH_FREED)
                 put_text(line, &at, sizeof line,
                          " (CPU driver), freed: likely a view or raw pointer used after free()");
+            else if ((state & WATCH_READ_ONLY) && access_was_write(context) != 0) {
+                /* Committed read-only pages fault on a write as uncommitted ones do. */
+                put_text(line, &at, sizeof line,
+                         (state & WATCH_STRICT) ? " (CPU driver, debug mode): "
+                                                : " (CPU driver): ");
+                put_text(line, &at, sizeof line, access_kind(context));
+                put_text(line, &at, sizeof line,
+                         "read-only or uncommitted memory (likely a write through a view of "
+                         "a buffer imported read-only, or past the committed bytes)");
+            }
             else if (state & WATCH_STRICT) {
                 put_text(line, &at, sizeof line, " (CPU driver, debug mode): ");
                 put_text(line, &at, sizeof line, access_kind(context));
@@ -324,7 +346,7 @@ static PyObject *watch_reservation(PyObject *module, PyObject *const *args, Py_s
 
 /* mark_reservation(ptr, size, state) -> None: add WATCH_* bits to the reservation holding
  * [ptr, ptr + size): 2 when a range of it is unmapped, 4 when it is freed, 8 when it is a
- * debug-mode (PROT_NONE) reservation. */
+ * debug-mode (PROT_NONE) reservation, 16 when a chunk imported read-only is mapped in it. */
 static PyObject *mark_reservation(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     uintptr_t start, end;
@@ -341,12 +363,28 @@ static PyObject *mark_reservation(PyObject *module, PyObject *const *args, Py_ss
     Py_RETURN_NONE;
 }
 
+/* forget_reservation(ptr, size) -> None: drop the entries inside [ptr, ptr + size), whose
+ * addresses go back to the kernel (the driver calls it before munmap): a later mapping there
+ * is no longer jaxbuf's, and a fault in it passes on without a word. */
+static PyObject *forget_reservation(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    uintptr_t start, end;
+    if (parse_range(args, nargs, 2, "forget_reservation", &start, &end) < 0) return NULL;
+    for (int i = 0; i < WATCH_SLOTS; i++) {
+        if (watched[i].state && start <= watched[i].start && watched[i].end <= end)
+            __atomic_store_n(&watched[i].state, 0, __ATOMIC_RELEASE);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef host_calls_methods[] = {
     {"watch_reservation", (PyCFunction)(void (*)(void))watch_reservation, METH_FASTCALL,
      "watch_reservation(ptr, size) -> None: a SIGSEGV inside it names jaxbuf and the cause"},
     {"mark_reservation", (PyCFunction)(void (*)(void))mark_reservation, METH_FASTCALL,
      "mark_reservation(ptr, size, bits) -> None: 2: a range of it was unmapped; 4: freed; "
-     "8: debug mode"},
+     "8: debug mode; 16: a chunk imported read-only is mapped in it"},
+    {"forget_reservation", (PyCFunction)(void (*)(void))forget_reservation, METH_FASTCALL,
+     "forget_reservation(ptr, size) -> None: the reservations inside it are unmapped"},
     {"copy_batch", (PyCFunction)(void (*)(void))copy_batch, METH_FASTCALL,
      "copy_batch(dsts, srcs, sizes) -> None: memmove of each (dst, src, size) of three 1-D "
      "uint64 arrays, in order, with the GIL released"},

@@ -10,6 +10,7 @@ from collections import deque
 
 from jaxbuf.drivers import _posix as posix
 from jaxbuf.drivers._posix import mmap_or_raise, munmap_or_raise
+from jaxbuf.drivers._segv_hint import forget
 from jaxbuf.drivers.base import DriverError
 
 __all__ = ["Quarantine"]
@@ -49,7 +50,7 @@ class Quarantine:
             parked, self._parked = list(self._parked), deque()
             self._parked_bytes = 0
         for ptr, size in parked:
-            munmap_or_raise(ptr, size)
+            _unmap(ptr, size)
 
     def free(self, ptr: int, size: int) -> None:
         """Park the reservation ``[ptr, ptr + size)`` (dropping its pages), or unmap it when it
@@ -57,7 +58,7 @@ class Quarantine:
         budget = self.budget()
         parked = False
         if size > budget or not self.max_ranges:
-            munmap_or_raise(ptr, size)
+            _unmap(ptr, size)
         else:
             # One MAP_FIXED call drops whatever is still mapped and keeps the range reserved,
             # so a stale pointer into it faults rather than reading a later allocation's bytes.
@@ -72,7 +73,7 @@ class Quarantine:
                 )
                 parked = True
             except DriverError:  # e.g. ENOMEM at vm.max_map_count: free without the guard
-                munmap_or_raise(ptr, size)
+                _unmap(ptr, size)
         # Evicted down to the budget on every call, also when this range was not parked: a
         # lowered RLIMIT_AS lowers the budget below what is parked already.
         evicted = []
@@ -85,4 +86,11 @@ class Quarantine:
                 self._parked_bytes -= old[1]
                 evicted.append(old)
         for old_ptr, old_size in evicted:
-            munmap_or_raise(old_ptr, old_size)
+            _unmap(old_ptr, old_size)
+
+
+def _unmap(ptr: int, size: int) -> None:
+    """Hand a freed range back to the kernel; the SIGSEGV hint forgets it first, so that a
+    fault in whatever is mapped there later is not reported as jaxbuf's."""
+    forget(ptr, size)
+    munmap_or_raise(ptr, size)

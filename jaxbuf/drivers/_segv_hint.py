@@ -10,20 +10,29 @@ try:  # optional (setup.py)
 except ImportError:
     _host_calls = None
 
-__all__ = ["FREED", "STRICT", "UNMAPPED", "watch"]
+__all__ = ["FREED", "READ_ONLY", "STRICT", "UNMAPPED", "forget", "watch"]
 
 # What the hint says a reservation went through (the bits of _host_calls.c); STRICT: a
-# debug-mode reservation, PROT_NONE where uncommitted, so a read faults there too.
-UNMAPPED, FREED, STRICT = 2, 4, 8
+# debug-mode reservation, PROT_NONE where uncommitted, so a read faults there too; READ_ONLY:
+# a chunk imported read-only is mapped in it, so a write faults on committed memory too.
+UNMAPPED, FREED, STRICT, READ_ONLY = 2, 4, 8, 16
 
 
 def watch(ptr: int, size: int, bits: int = 0) -> None:
     """Tell the hint of a new reservation (``bits=0``) or of what befell one
-    (:data:`UNMAPPED`, :data:`FREED`), or that it is strict (:data:`STRICT`); nothing without
-    the extension."""
+    (:data:`UNMAPPED`, :data:`FREED`, :data:`READ_ONLY`), or that it is strict
+    (:data:`STRICT`); nothing without the extension."""
     if _host_calls is None:
         return
     if bits:
         _host_calls.mark_reservation(ptr, size, bits)
     else:
         _host_calls.watch_reservation(ptr, size)
+
+
+def forget(ptr: int, size: int) -> None:
+    """Tell the hint that the reservations inside ``[ptr, ptr + size)`` go back to the kernel
+    (call it before ``munmap``): whatever is mapped there next is not jaxbuf's, and a fault
+    in it gets no line."""
+    if _host_calls is not None:
+        _host_calls.forget_reservation(ptr, size)

@@ -89,7 +89,7 @@ from jaxbuf.drivers._posix import (
     typed_libc,
 )
 from jaxbuf.drivers._quarantine import Quarantine
-from jaxbuf.drivers._segv_hint import FREED, STRICT, UNMAPPED, watch
+from jaxbuf.drivers._segv_hint import FREED, READ_ONLY, STRICT, UNMAPPED, watch
 from jaxbuf.drivers.base import (
     K_DL_CPU,
     DriverError,
@@ -355,6 +355,8 @@ class HostVmmDriver(VmmDriver):
         handle.mapped = True
         handle.ptr = ptr
         os.close(fd)
+        if handle.read_only:  # a write there faults although committed: the hint says so
+            watch(ptr, size, READ_ONLY)
 
     def unmap(self, ptr: int, size: int) -> None:
         check_args("mmap", size, ptr)

@@ -1,0 +1,226 @@
+"""Debug mode (``JAXBUF_DEBUG=1``) under attack: every jaxbuf operation that could read
+reserved or released memory itself, run in a child process over a strict CPU driver (an
+uncommitted read faults there). Where the operation is legal the child exits normally; where
+jaxbuf can check (a transfer of blocks past the peer's committed size) it raises a Python
+error, never a signal. And the SIGSEGV hint's line: it names the right cause for a write to a
+buffer imported read-only, and says nothing for a mapping at addresses jaxbuf has handed
+back to the kernel."""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import sys
+import textwrap
+
+import _forkserver
+import pytest
+
+from jaxbuf._debug import DEBUG_ENV
+
+A_WRITE_TO = "a write to " if platform.machine() == "x86_64" else "a read or write of "
+
+SETUP = """
+import ctypes, sys
+import numpy as np
+import jaxbuf
+from jaxbuf import ExtensibleTensor, ExtensibleKVCacheBuilder
+from jaxbuf.drivers import get_vmm_driver
+MiB = 1 << 20
+buf = ExtensibleTensor(4 * MiB, device="cpu")
+buf.resize_per_segment_(MiB)
+print("debug", get_vmm_driver("cpu").debug, flush=True)
+"""
+
+
+def _run(code: str, debug: str = "1"):
+    environment = {
+        k: v for k, v in os.environ.items() if k not in (DEBUG_ENV, "PYTHONFAULTHANDLER")
+    }
+    environment[DEBUG_ENV] = debug
+    return _forkserver.run(
+        [sys.executable, "-c", textwrap.dedent(SETUP) + textwrap.dedent(code)],
+        env=environment,
+        timeout=240,
+    )
+
+
+def _jaxbuf_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("jaxbuf: segmentation")]
+
+
+# -- what jaxbuf does itself: committed bytes only, or a Python error ----------------------
+LEGAL = {
+    "transfers past the committed blocks raise IndexError": """
+        from jaxbuf.transfer import KVEndpoint, KVLayout
+        a = ExtensibleTensor(8 * MiB, "cpu"); a.resize_per_segment_(2 * MiB)
+        b = ExtensibleTensor(8 * MiB, "cpu"); b.resize_per_segment_(4 * MiB)
+        tag = str(os.getpid())
+        ea = KVEndpoint("dbg-a" + tag, a, KVLayout(4096))
+        eb = KVEndpoint("dbg-b" + tag, b, KVLayout(4096))
+        peer = ea.connect(eb.metadata())
+        for post in (
+            lambda: ea.read(peer, [0], [1024]),  # the peer's block past its committed size
+            lambda: ea.write(peer, [0], [1024]),
+            lambda: ea.read(peer, [600], [0]),  # this side's block past its own
+            lambda: ea.write(peer, [600], [0]),
+        ):
+            try:
+                post().wait(timeout=60)
+            except IndexError:
+                pass
+            else:
+                raise AssertionError("no IndexError")
+        b.release_physical(); b.resize_per_segment_(2 * MiB)  # the peer shrank
+        peer = ea.connect(eb.metadata())
+        try:
+            ea.read(peer, [0], [600]).wait(timeout=60)
+        except IndexError:
+            pass
+        else:
+            raise AssertionError("no IndexError after the peer shrank")
+        ea.read(peer, [0, 1], [511, 0]).wait(timeout=60)  # its last committed block: legal
+        ea.close(); eb.close()
+        """,
+    "sharing, copies and defragment": """
+        from jaxbuf.sharing import ImportedBuffer, export_layout
+        t = ExtensibleTensor(12 * MiB, device="cpu", num_segments=3)
+        t.resize_segments_([4096, 3 * MiB, 100])
+        t.resize_segments_([4096, 4 * MiB - 5, 100])
+        for read_only in (False, True):
+            layout, fds = export_layout(t, read_only=read_only)
+            imported = ImportedBuffer(layout, list(fds))
+            for i in range(3):
+                view = imported.segment_view(i)
+                np.from_dlpack(view, copy=True); repr(view.to_numpy())
+            np.from_dlpack(imported.full_view(), copy=True)
+            imported.close()
+        for i in range(3):
+            t.segment_view(i).to_numpy()[:] = i + 1
+        t.defragment()
+        for i in range(3):
+            assert (t.segment_view(i).to_numpy() == i + 1).all()
+        t.release_physical()
+        t.resize_segments_([MiB, 5, 0])
+        layout, fds = export_layout(t)
+        imported = ImportedBuffer(layout, list(fds))
+        np.from_dlpack(imported.full_view(), copy=True)
+        imported.close()
+        """,
+    "KV views, staged writes, UVA pools and the faces": """
+        import torch, jax
+        import jaxbuf.torch as jt
+        from jaxbuf.staged import StagedWriteTensor
+        from jaxbuf.uva import UvaBufferPool
+        builder = ExtensibleKVCacheBuilder(4, "cpu")
+        builder.reserve(4 * 2 * MiB * 2, 2)
+        kv = builder.finish()
+        for commit in (lambda: kv.commit(3), kv.recommit, lambda: kv.commit(4, defragment=True)):
+            commit()
+            for view in kv.committed_views(0, "float32"):
+                a = view.to_numpy(); a += 1; repr(a); np.from_dlpack(view, copy=True)
+                torch.from_dlpack(view).clone(); float(jax.dlpack.from_dlpack(view).sum())
+            kv.release_physical()
+        for uva in (False, True):
+            s = StagedWriteTensor((10, 7), dtype="float32", device="cpu", uva_instead_of_gpu=uva)
+            s.stage_write(3, 2, [1.0, 2.0]); s.apply_write()
+            assert s.gpu.to_numpy().sum() == 3.0; np.from_dlpack(s.gpu, copy=True); s.free()
+        pool = UvaBufferPool((64, 4), "float32", max_concurrency=2, device="cpu")
+        for n in (1, 3, 9, 20, 2):
+            v = pool.copy_to_uva(np.ones((n, 4), np.float32)); repr(np.from_dlpack(v, copy=True))
+        face = jt.ExtensibleTensor(8 * MiB, device="cpu", num_segments=2)
+        face.resize_segments_([MiB + 3, 10])
+        x = face.segment_view(0); x.fill_(1); str(x); x.clone()
+        """,
+    "a KVCacheStep with segment_shape over the strict driver": """
+        from jaxbuf.kv import KVCacheStep
+        builder = ExtensibleKVCacheBuilder(8, "cpu")
+        builder.reserve(8 * MiB * 4, 4)  # 1 MiB blocks: each block past the third is unmapped
+        kv = builder.finish()
+        kv.commit(3)
+        fn = lambda caches: ([c + 1 for c in caches], sum(c.sum() for c in caches))
+        for debug in (None, False, True):
+            step = KVCacheStep(kv, fn, "float32", (256, 1024), segment_shape=(2, 2), debug=debug)
+            assert step.blocks == kv.num_blocks_committed
+            step(); kv.commit(5); step()
+            kv.release_physical(); kv.recommit(); step()
+            kv.release_physical(); kv.commit(1); step()
+            kv.release_physical(); kv.commit(3)
+        """,
+}
+
+
+@pytest.mark.parametrize("case", LEGAL)
+def test_jaxbuf_reads_only_committed_memory_in_debug_mode(case):
+    result = _run("import os\n" + textwrap.dedent(LEGAL[case]) + "\nprint('done', flush=True)\n")
+    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr[-3000:])
+    assert "debug True" in result.stdout and "done" in result.stdout
+    assert _jaxbuf_lines(result.stderr) == []
+
+
+# -- the hint's line -----------------------------------------------------------------------
+_host_calls = pytest.importorskip(
+    "jaxbuf.drivers._host_calls", reason="the optional CPU-driver extension is not built"
+)
+
+READ_ONLY_WRITE = """
+from jaxbuf.sharing import ImportedBuffer, export_layout
+layout, fds = export_layout(buf, read_only=True)
+imported = ImportedBuffer(layout, list(fds))
+assert imported.read_only
+ctypes.memset(imported.segment_view(0).ptr, 1, 16)  # committed, but mapped read-only
+"""
+
+
+@pytest.mark.parametrize("debug", ["0", "1"], ids=["normal", "debug"])
+def test_a_write_to_a_read_only_import_is_named_as_such(debug):
+    """The write lands on committed pages: the line must not blame uncommitted memory alone."""
+    result = _run(READ_ONLY_WRITE, debug)
+    assert result.returncode == -signal.SIGSEGV, (result.returncode, result.stderr[-3000:])
+    (line,) = _jaxbuf_lines(result.stderr)
+    mode = "(CPU driver, debug mode): " if debug == "1" else "(CPU driver): "
+    assert f"{mode}{A_WRITE_TO}read-only or uncommitted memory" in line, line
+    assert "imported read-only" in line, line
+
+
+# Hands the freed reservation's addresses back to the kernel, maps an unrelated read-only
+# page there and writes it: a fault that is not jaxbuf's.
+UNRELATED = """
+ptr = buf.full_view().ptr
+driver = get_vmm_driver("cpu")
+{give_back}
+libc = ctypes.CDLL(None)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+MAP_PRIVATE_ANONYMOUS_FIXED_NOREPLACE = 0x22 | 0x100000
+page = libc.mmap(ptr, 4096, 1, MAP_PRIVATE_ANONYMOUS_FIXED_NOREPLACE, -1, 0)
+assert page == ptr, (page, ptr)
+print("mapped", flush=True)
+ctypes.memset(page, 1, 1)
+"""
+GIVE_BACK = {
+    "flush_quarantine": "buf.free(); driver.flush_quarantine()",
+    "no quarantine": "driver.quarantine_bytes = 0; buf.free()",
+    "evicted": (
+        "driver.quarantine_ranges = 1; buf.free()\n"
+        "other = ExtensibleTensor(4 * MiB, device='cpu'); other.free()"
+    ),
+}
+
+
+@pytest.mark.parametrize("give_back", GIVE_BACK)
+@pytest.mark.parametrize("debug", ["0", "1"], ids=["normal", "debug"])
+def test_a_fault_at_addresses_handed_back_is_not_named_as_jaxbufs(give_back, debug):
+    result = _run(UNRELATED.format(give_back=GIVE_BACK[give_back]), debug)
+    assert result.returncode == -signal.SIGSEGV, (result.returncode, result.stderr[-3000:])
+    assert "mapped" in result.stdout
+    assert _jaxbuf_lines(result.stderr) == [], result.stderr[-3000:]
+
+
+def test_the_forget_call_refuses_a_bad_range():
+    with pytest.raises(ValueError):
+        _host_calls.forget_reservation(1 << 20, 0)
+    with pytest.raises(TypeError):
+        _host_calls.forget_reservation(1 << 20)
