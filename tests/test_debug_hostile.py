@@ -8,6 +8,7 @@ back to the kernel."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import signal
@@ -15,9 +16,11 @@ import sys
 import textwrap
 
 import _forkserver
+import numpy as np
 import pytest
 
 from jaxbuf._debug import DEBUG_ENV
+from jaxbuf.drivers import HostVmmDriver
 
 A_WRITE_TO = "a write to " if platform.machine() == "x86_64" else "a read or write of "
 
@@ -224,3 +227,133 @@ def test_the_forget_call_refuses_a_bad_range():
         _host_calls.forget_reservation(1 << 20, 0)
     with pytest.raises(TypeError):
         _host_calls.forget_reservation(1 << 20)
+
+
+# -- an interrupt inside unmap / move_mapping: every page's protection stays consistent -----
+PAGES = 8
+
+
+def _page_modes(base: int) -> list[str]:
+    """The /proc/self/maps permissions of each of the reservation's PAGES pages."""
+    modes = [None] * PAGES
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, mode = line.split()[:2]
+            low, high = (int(x, 16) for x in span.split("-"))
+            for page in range(PAGES):
+                if low <= base + page * mmap.PAGESIZE < high:
+                    modes[page] = mode
+    return modes
+
+
+def _interrupted(nth_line: int, call, *args):
+    """``call(*args)`` with SIGINT raised at its ``nth_line``-th line event in the CPU driver's
+    modules (delivered as KeyboardInterrupt where no block holds it back): True when the
+    interrupt reached the caller."""
+    seen = 0
+
+    def trace(frame, event, arg):
+        nonlocal seen
+        if event == "line" and frame.f_code.co_filename.endswith(("host.py", "_posix.py")):
+            seen += 1
+            if seen == nth_line:
+                signal.raise_signal(signal.SIGINT)
+        return trace
+
+    def start(frame, event, arg):
+        return trace if frame.f_code.co_filename.endswith(("host.py", "_posix.py")) else None
+
+    sys.settrace(start)
+    try:
+        call(*args)
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("debug", [False, True], ids=["normal", "debug"])
+def test_an_interrupted_unmap_or_move_leaves_each_page_as_before_or_after(seed, debug):
+    """Random maps, unmaps and moves of one-to-three-page chunks in one reservation, each
+    unmap or move interrupted at a random line, against a model of every page's protection:
+    after each call the pages and the chunk's ``ptr`` are those from before the call or those
+    from after it, never a mix (a chunk mapped twice, a source left mapped)."""
+    rng = np.random.default_rng(seed)
+    driver = HostVmmDriver(debug=debug)
+    reserved = "---p" if debug else "r--p"
+    page = mmap.PAGESIZE
+    base = driver.reserve(PAGES * page)
+    model = [reserved] * PAGES
+    chunks: dict[int, tuple[object, int]] = {}  # first page -> (chunk, pages)
+
+    def free_runs(length: int) -> list[int]:
+        return [
+            p
+            for p in range(PAGES - length + 1)
+            if all(m == reserved for m in model[p : p + length])
+        ]
+
+    try:
+        for _ in range(60):
+            op = rng.choice(["map", "unmap", "move"])
+            if op == "map" or not chunks:
+                length = int(rng.integers(1, 4))
+                runs = free_runs(length)
+                if not runs:
+                    continue
+                first = int(rng.choice(runs))
+                chunk = driver.create(length * page, 0)
+                driver.map(base + first * page, length * page, chunk)
+                chunks[first] = (chunk, length)
+                model[first : first + length] = ["rw-s"] * length
+            elif op == "unmap":
+                first = int(rng.choice(list(chunks)))
+                chunk, length = chunks[first]
+                after = list(model)
+                after[first : first + length] = [reserved] * length
+                _interrupted(
+                    int(rng.integers(1, 12)), driver.unmap, base + first * page, length * page
+                )
+                got = _page_modes(base)
+                assert got in (model, after), (got, model, after)
+                if got == model:  # interrupted before: unmap again, uninterrupted
+                    driver.unmap(base + first * page, length * page)
+                driver.release(chunk)
+                del chunks[first]
+                model = after
+            else:
+                first = int(rng.choice(list(chunks)))
+                chunk, length = chunks[first]
+                model[first : first + length] = [reserved] * length  # free while choosing
+                runs = [r for r in free_runs(length) if r + length <= first or r >= first + length]
+                model[first : first + length] = ["rw-s"] * length
+                if not runs:
+                    continue
+                to = int(rng.choice(runs))
+                after = list(model)
+                after[first : first + length] = [reserved] * length
+                after[to : to + length] = ["rw-s"] * length
+                source, destination = base + first * page, base + to * page
+                _interrupted(
+                    int(rng.integers(1, 30)),
+                    driver.move_mapping,
+                    chunk,
+                    source,
+                    destination,
+                    length * page,
+                )
+                got = _page_modes(base)
+                assert got in (model, after), (got, model, after)
+                moved = got == after
+                assert chunk.ptr == base + (to if moved else first) * page
+                if moved:
+                    del chunks[first]
+                    chunks[to] = (chunk, length)
+                    model = after
+    finally:
+        for first, (chunk, length) in chunks.items():
+            driver.unmap(base + first * page, length * page)
+            driver.release(chunk)
+        driver.free_reserved(base, PAGES * page)

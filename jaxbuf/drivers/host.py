@@ -382,7 +382,14 @@ class HostVmmDriver(VmmDriver):
         re-reservation; should another thread's ``mmap`` have taken the hole in that
         instant, ``DriverError(EEXIST)`` reports it *after* the move (the reservation then
         lacks that range).
+
+        An interrupt (a Ctrl-C) is held back until the call returns: delivered between the
+        move and the re-reservation, it would leave the chunk mapped at both addresses.
         """
+        with deferred_interrupts():
+            self._move_mapping(handle, src_ptr, dst_ptr, size)
+
+    def _move_mapping(self, handle: HostChunk, src_ptr: int, dst_ptr: int, size: int) -> None:
         check_args("mremap", size, src_ptr)
         check_args("mremap", size, dst_ptr)
         watch(src_ptr, size, UNMAPPED)  # the source is left uncommitted (a hint: before)
