@@ -12,8 +12,10 @@ import mmap
 import os
 import platform
 import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import _forkserver
 import numpy as np
@@ -357,3 +359,75 @@ def test_an_interrupted_unmap_or_move_leaves_each_page_as_before_or_after(seed, 
             driver.unmap(base + first * page, length * page)
             driver.release(chunk)
         driver.free_reserved(base, PAGES * page)
+
+
+# -- a handler before the hint's that deals with its own faults -----------------------------
+RECOVERING_RUNTIME = """
+import mmap, signal
+PAGE = mmap.PAGESIZE
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+region = libc.mmap(None, 3 * PAGE, 0, 0x22, -1, 0)  # PROT_NONE, private anonymous
+recovered = []
+HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
+
+@HANDLER
+def recover(signum):  # a runtime mapping its own pages in on first touch (a GC, a JIT)
+    if len(recovered) == 3:  # not its fault: the default, when the access faults again
+        libc.signal(signal.SIGSEGV, ctypes.cast(None, HANDLER))
+        return
+    libc.mprotect(region + len(recovered) * PAGE, PAGE, 3)
+    recovered.append(signum)
+
+libc.signal.restype = ctypes.c_void_p
+libc.signal.argtypes = [ctypes.c_int, HANDLER]
+libc.signal(signal.SIGSEGV, recover)
+late = ExtensibleTensor(4 * MiB, device="cpu")  # the hint's handler, chained to the runtime's
+for page in range(3):  # ctypes releases the GIL around memset: the callback can take it
+    ctypes.memset(region + page * PAGE, page + 1, 1)
+print("recovered", len(recovered), flush=True)
+late.resize_per_segment_(4096)
+np.from_dlpack(late.full_view())[-1] = 1  # past the committed bytes: the line, then death
+"""
+
+
+def test_a_runtime_handler_before_the_hint_recovers_every_fault():
+    """A SIGSEGV handler installed before jaxbuf's that maps the page and returns (a GC's
+    write barrier, a JIT) must see every one of its faults, not only the first: the hint is
+    ready again once a handler it chained to returns."""
+    result = _run(RECOVERING_RUNTIME, "0")
+    assert "recovered 3" in result.stdout, (result.returncode, result.stderr[-3000:])
+    assert result.returncode == -signal.SIGSEGV, (result.returncode, result.stderr[-3000:])
+    (line,) = _jaxbuf_lines(result.stderr)
+    assert "past the committed bytes" in line, line
+
+
+def test_a_handler_that_returns_without_mapping_gets_one_line_not_a_flood():
+    """Python's own SIGSEGV handler returns without mapping the page, so the access faults
+    again and again (as without jaxbuf); the hint writes its line once, not once a round."""
+    code = textwrap.dedent(SETUP) + (
+        "import signal\n"
+        "signal.signal(signal.SIGSEGV, lambda *args: None)\n"
+        "other = ExtensibleTensor(MiB, device='cpu')  # the hint in front again, chained\n"
+        "print('faulting', flush=True)\n"
+        "ctypes.memset(buf.full_view().ptr + 3 * MiB, 1, 1)\n"
+    )
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**environment, DEBUG_ENV: "0"},
+    )
+    try:
+        assert child.stdout.readline().startswith("debug")
+        assert child.stdout.readline() == "faulting\n"
+        time.sleep(1.5)  # the fault loops meanwhile
+    finally:
+        child.kill()
+        _, stderr = child.communicate()
+    assert len(_jaxbuf_lines(stderr)) == 1, stderr[-2000:]

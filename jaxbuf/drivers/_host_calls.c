@@ -175,6 +175,9 @@ static void put_hex(char *buffer, size_t *at, size_t cap, uintptr_t value) {
 }
 
 static volatile sig_atomic_t handling;
+/* The line is written once per process: a handler that returns without mapping the page (a
+ * Python-level handler) sends the same fault round again, and again. */
+static volatile sig_atomic_t explained;
 
 /* Whether the faulting access was a write (1), a read (0) or unknown (-1), where the signal
  * context says: on x86-64 Linux the page fault's error code (its bit 1: a write). */
@@ -205,7 +208,7 @@ static void explain_segv(int signum, siginfo_t *info, void *context) {
     }
     handling = 1;
     /* si_code > 0: the kernel raised it for this access, and si_addr is the address. */
-    if (info != NULL && info->si_code > 0) {
+    if (!explained && info != NULL && info->si_code > 0) {
         uintptr_t address = (uintptr_t)info->si_addr;
         for (int i = 0; i < WATCH_SLOTS; i++) {
             int state = __atomic_load_n(&watched[i].state, __ATOMIC_ACQUIRE);
@@ -255,17 +258,21 @@ static void explain_segv(int signum, siginfo_t *info, void *context) {
             put_text(line, &at, sizeof line, "\n");
             ssize_t written = write(2, line, at);
             (void)written;
+            explained = 1;
             break;
         }
     }
-    /* Hand the signal on unchanged. */
+    /* Hand the signal on unchanged. A handler that returns has dealt with the fault (a
+     * runtime that maps its own pages in on first touch): the next fault is handled anew. */
     if (previous_segv.sa_flags & SA_SIGINFO) {
         if (previous_segv.sa_sigaction != NULL) {
             previous_segv.sa_sigaction(signum, info, context);
+            handling = 0;
             return;
         }
     } else if (previous_segv.sa_handler != SIG_DFL && previous_segv.sa_handler != SIG_IGN) {
         previous_segv.sa_handler(signum);
+        handling = 0;
         return;
     }
     /* The default (or SIG_IGN, which the kernel overrides for a fault): restore it; the
