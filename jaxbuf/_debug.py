@@ -2,8 +2,9 @@
 
 ``JAXBUF_DEBUG=1`` in the environment turns it on; an argument named ``debug`` overrides it
 for one object. Each object reads it when it is made: a ``KVCacheStep`` at construction, the
-CPU driver once, when the process makes its first CPU buffer (so a reservation never mixes
-protections). Off by default: each check costs
+CPU driver once, when the process first uses it (its first CPU buffer, or before that a call
+such as ``granule_size("cpu")``, ``is_uva_available()`` or ``get_vmm_driver("cpu")``), so a
+reservation never mixes protections. Off by default: each check costs
 time or memory that a serving loop should not pay. What it changes is listed in
 ``docs/JAX_SEMANTICS.md``.
 """
