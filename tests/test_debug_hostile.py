@@ -265,13 +265,14 @@ def _interrupted(nth_line: int, call, *args):
     def start(frame, event, arg):
         return trace if frame.f_code.co_filename.endswith(("host.py", "_posix.py")) else None
 
-    sys.settrace(start)
     try:
-        call(*args)
-    except KeyboardInterrupt:
+        sys.settrace(start)
+        try:
+            call(*args)
+        finally:
+            sys.settrace(None)
+    except KeyboardInterrupt:  # also one delivered as the tracing stops
         return True
-    finally:
-        sys.settrace(None)
     return False
 
 
