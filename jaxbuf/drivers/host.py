@@ -27,9 +27,8 @@ the process; only a write there is fatal. CUDA has no such mapping: there an unc
 address faults the context, and only committed bytes may be touched at all.
 
 **Debug mode.** ``HostVmmDriver(debug=True)``, or ``JAXBUF_DEBUG=1`` in the environment when
-the driver is built (the shared CPU driver is built when the process first uses the CPU: its
-first CPU buffer, or an earlier ``granule_size("cpu")`` or ``is_uva_available()``; set it
-before that; see :mod:`jaxbuf._debug`), maps reservations and every released range
+the driver is built (the shared one at its first use: a CPU buffer, ``granule_size("cpu")``;
+set it before that; see :mod:`jaxbuf._debug`), maps reservations and every released range
 ``PROT_NONE`` instead: a *read* of uncommitted or released memory then faults as on CUDA
 (``SIGSEGV``, with the hint line saying so) instead of returning zeros. Committed memory
 behaves the same in both modes, and so does the cost of growing and releasing (the same
@@ -384,8 +383,7 @@ class HostVmmDriver(VmmDriver):
         instant, ``DriverError(EEXIST)`` reports it *after* the move (the reservation then
         lacks that range).
 
-        An interrupt (a Ctrl-C) is held back until the call returns: delivered between the
-        move and the re-reservation, it would leave the chunk mapped at both addresses.
+        A Ctrl-C is held back until it returns (between the two calls: mapped twice).
         """
         with deferred_interrupts():
             self._move_mapping(handle, src_ptr, dst_ptr, size)
