@@ -332,7 +332,9 @@ def test_jit_options_reach_jax_jit_and_keywords_reach_fn(debug):
             compiler_options={},
             **common,
         )
-        extra = jnp.arange(4.0)
+        # On the cache's device: a GPU array beside a CPU cache would not be donated.
+        with jax.default_device(jax.devices("cpu")[0]):
+            extra = jnp.arange(4.0)
         (doubled, total) = step(5, extra, scale=3.0)
         assert extra.is_deleted()  # the extra argument was donated, on the CPU too
         np.testing.assert_array_equal(np.asarray(doubled), [0, 2, 4, 6])
